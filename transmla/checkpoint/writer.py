@@ -1,0 +1,229 @@
+"""Sharded safetensors writing and all-or-nothing output directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from fractions import Fraction
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from safetensors.torch import save_file
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size: ``5GB`` (10**9), ``2GiB`` (2**30), ``500MB``, ``100KB``, ``1234``."""
+    if isinstance(text, bool):
+        raise ValueError(f"invalid size {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"invalid size {text!r}: expected a number with an optional unit "
+                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '5GB' or '500MiB'"
+            )
+        value = int(Fraction(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return value
+
+
+def _shard_name(index: int, total: int) -> str:
+    return f"model-{index:05d}-of-{total:05d}.safetensors"
+
+
+def _part_name(index: int) -> str:
+    return f".model-{index:05d}.safetensors.part"
+
+
+def _detached_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that owns its storage (safetensors rejects shared storage)."""
+    t = tensor.detach().to("cpu").contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone()
+    return t
+
+
+class ShardedWriter:
+    """Write tensors to safetensors shards of at most ``max_shard_bytes`` each.
+
+    Only the shard being filled is held in memory. :meth:`close` names the shards
+    ``model-0000i-of-0000N.safetensors`` and writes ``model.safetensors.index.json``; a
+    single shard is written as plain ``model.safetensors`` without an index. A tensor larger
+    than the limit gets a shard of its own. Used as a context manager, an exception
+    discards the shards written so far instead of finishing.
+    """
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int | str = DEFAULT_MAX_SHARD_BYTES):
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = parse_size(max_shard_bytes)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        stale = [p.name for p in self.out_dir.glob("model*.safetensors*")]
+        if stale:
+            raise FileExistsError(f"{self.out_dir} already holds checkpoint files: {stale[0]}")
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._parts: list[list[str]] = []  # tensor names per flushed shard
+        self._names: set[str] = set()
+        self._total_bytes = 0
+        self._closed = False
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor; flushes the current shard first if this one would overflow it."""
+        if self._closed:
+            raise RuntimeError("ShardedWriter is closed")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
+        if name in self._names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        t = _detached_cpu(tensor)
+        if self._buffer and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
+            self._flush()
+        self._names.add(name)
+        self._buffer[name] = t
+        self._buffer_bytes += t.nbytes
+        self._total_bytes += t.nbytes
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        path = self.out_dir / _part_name(len(self._parts) + 1)
+        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        self._parts.append(list(self._buffer))
+        self._buffer = {}
+        self._buffer_bytes = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data added so far."""
+        return self._total_bytes
+
+    def close(self) -> list[str]:
+        """Write the last shard, give shards their final names, write the index.
+
+        Returns the file names written (shards, then the index if any).
+        """
+        if self._closed:
+            raise RuntimeError("ShardedWriter is already closed")
+        if not self._names:
+            raise ValueError(f"no tensors were added; nothing to write to {self.out_dir}")
+        self._flush()
+        self._closed = True
+        total = len(self._parts)
+        if total == 1:
+            os.replace(self.out_dir / _part_name(1), self.out_dir / SINGLE_FILE)
+            return [SINGLE_FILE]
+        weight_map: dict[str, str] = {}
+        written: list[str] = []
+        for i, names in enumerate(self._parts, start=1):
+            final = _shard_name(i, total)
+            os.replace(self.out_dir / _part_name(i), self.out_dir / final)
+            weight_map.update((name, final) for name in names)
+            written.append(final)
+        index = {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map}
+        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return written + [INDEX_FILE]
+
+    def abort(self) -> None:
+        """Drop buffered tensors and delete shards flushed so far."""
+        self._closed = True
+        self._buffer = {}
+        for i in range(1, len(self._parts) + 1):
+            (self.out_dir / _part_name(i)).unlink(missing_ok=True)
+        self._parts = []
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
+def _is_nonempty_dir(path: Path) -> bool:
+    return any(path.iterdir())
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``target`` that becomes ``target`` on success.
+
+    A non-empty existing ``target`` is refused unless ``force``; with ``force`` the old
+    directory is removed only after the new one is complete. On any exception (including
+    KeyboardInterrupt) the temporary directory is deleted and nothing is left behind.
+    """
+    target = Path(os.path.abspath(target))
+
+    def check() -> None:
+        if target.exists() or target.is_symlink():
+            if not target.is_dir() or target.is_symlink():
+                raise FileExistsError(f"output path {target} exists and is not a directory")
+            if not force and _is_nonempty_dir(target):
+                raise FileExistsError(
+                    f"output directory {target} exists and is not empty; "
+                    "pass --force to replace it"
+                )
+
+    check()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_current_umask())
+        yield tmp
+        check()
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old)  # replaces the empty placeholder `old`
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
