@@ -1,0 +1,33 @@
+"""Source model families. Everything model-specific lives here."""
+
+from . import llama, mistral, mixtral, qwen2
+from .base import (
+    AttentionGeometry,
+    Family,
+    UnsupportedArchitectureError,
+    attention_geometry,
+    rope_inv_freq,
+)
+
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, mistral, mixtral)}
+
+
+def family_for(config_or_type) -> Family:
+    """The family adapter for a transformers config (or model_type string)."""
+    model_type = config_or_type if isinstance(config_or_type, str) else getattr(config_or_type, "model_type", None)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+    )
+
+
+__all__ = [
+    "FAMILIES",
+    "AttentionGeometry",
+    "Family",
+    "UnsupportedArchitectureError",
+    "attention_geometry",
+    "family_for",
+    "rope_inv_freq",
+]

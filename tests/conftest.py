@@ -1,0 +1,55 @@
+"""Tiny random source models of every family, saved as real checkpoints on disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSMLA_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "transmla"))
+
+TINY = dict(
+    vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+}
+
+
+def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: bool = False, **overrides):
+    """A tiny random model (fp32); saved to `path` when given. Biases are made non-zero."""
+    config_name, model_name, extra = FAMILY_CLASSES[family]
+    kwargs = {**TINY, **extra, **overrides}
+    if family == "llama" and bias:
+        kwargs["attention_bias"] = True
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # non-zero biases, so the tests see them
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture
+def tiny_factory(tmp_path):
+    def factory(family="llama", name=None, **kw):
+        path = tmp_path / (name or f"{family}-src")
+        model = make_tiny_model(family, path, **kw)
+        return model, path
+
+    return factory

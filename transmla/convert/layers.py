@@ -1,0 +1,82 @@
+"""The tensors of one attention layer, before (source MHA/GQA) and after (MLA) conversion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..families import AttentionGeometry
+
+
+@dataclass
+class SourceAttention:
+    """One source attention layer. Weights are [out, in] as in nn.Linear."""
+
+    geometry: AttentionGeometry
+    wq: torch.Tensor  # [H*d, D]
+    wk: torch.Tensor  # [g*d, D]
+    wv: torch.Tensor  # [g*d, D]
+    wo: torch.Tensor  # [D, H*d]
+    inv_freq: torch.Tensor  # [d/2] per-pair inverse frequency (rotate-half layout)
+    bq: torch.Tensor | None = None  # [H*d]
+    bk: torch.Tensor | None = None  # [g*d]
+    bv: torch.Tensor | None = None  # [g*d]
+    bo: torch.Tensor | None = None  # [D]
+
+    @classmethod
+    def from_tensors(cls, geometry, inv_freq, tensors: dict[str, torch.Tensor]) -> "SourceAttention":
+        """tensors: roles q, k, v, o and optional q_bias, k_bias, v_bias, o_bias (any dtype)."""
+        t = {k: v.to(torch.float32) for k, v in tensors.items()}
+        g = geometry
+        layer = cls(
+            geometry, t["q"], t["k"], t["v"], t["o"], inv_freq.float(),
+            t.get("q_bias"), t.get("k_bias"), t.get("v_bias"), t.get("o_bias"),
+        )
+        expect = {
+            "wq": (g.num_heads * g.head_dim, g.hidden_size),
+            "wk": (g.num_kv_heads * g.head_dim, g.hidden_size),
+            "wv": (g.num_kv_heads * g.head_dim, g.hidden_size),
+            "wo": (g.hidden_size, g.num_heads * g.head_dim),
+        }
+        for name, shape in expect.items():
+            got = tuple(getattr(layer, name).shape)
+            if got != shape:
+                raise ValueError(f"{name} has shape {got}, expected {shape} from the config")
+        return layer
+
+
+@dataclass
+class MLALayer:
+    """One converted layer in the native MLA layout (MLAAttention's parameter names)."""
+
+    q_proj: torch.Tensor  # [H*(d_nope+d_r), D]   per head: [nope | rope]
+    kv_a_proj: torch.Tensor  # [d_c + d_r, D]     [latent | shared rope key]
+    kv_b_proj: torch.Tensor  # [H*(d_nope+d_v), d_c] per head: [W_UK | W_UV]
+    o_proj: torch.Tensor  # [D, H*d_v]
+    rope_inv_freq: torch.Tensor  # [d_r/2]
+    q_bias: torch.Tensor | None = None
+    kv_a_bias: torch.Tensor | None = None
+    kv_b_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    kv_a_norm: torch.Tensor | None = None  # [d_c] RMSNorm weight on the latent
+    # Optional low-rank query: q = q_b_proj(q_a_proj x) replaces q_proj.
+    q_a_proj: torch.Tensor | None = None  # [d_q, D]
+    q_b_proj: torch.Tensor | None = None  # [H*(d_nope+d_r), d_q]
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Tensors named as MLAAttention's parameters under `prefix` (e.g. model.layers.0.self_attn.)."""
+        names = {
+            "kv_a_proj.weight": self.kv_a_proj,
+            "kv_a_proj.bias": self.kv_a_bias,
+            "kv_a_norm.weight": self.kv_a_norm,
+            "kv_b_proj.weight": self.kv_b_proj,
+            "kv_b_proj.bias": self.kv_b_bias,
+            "o_proj.weight": self.o_proj,
+            "o_proj.bias": self.o_bias,
+        }
+        if self.q_a_proj is not None:
+            names.update({"q_a_proj.weight": self.q_a_proj, "q_b_proj.weight": self.q_b_proj, "q_b_proj.bias": self.q_bias})
+        else:
+            names.update({"q_proj.weight": self.q_proj, "q_proj.bias": self.q_bias})
+        return {prefix + k: v for k, v in names.items() if v is not None}

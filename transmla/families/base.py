@@ -1,0 +1,127 @@
+"""What every source family adapter provides: weight names as data, head geometry, RoPE.
+
+A family is described by a `Family` record (no if-chains on model type elsewhere). The
+functions below read a transformers config of any supported family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The source model's architecture is not one transmla converts."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One source model family (a transformers `model_type`)."""
+
+    model_type: str  # e.g. "llama"
+    config_class: str  # transformers class names
+    causal_lm_class: str
+    # Attention weight names inside layer `i` (prefix formatted with i).
+    layer_prefix: str = "model.layers.{i}.self_attn."
+    projections: dict[str, str] = field(
+        default_factory=lambda: {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+    )
+    # Bias presence: True/False, or the name of a boolean config attribute.
+    qkv_bias: bool | str = False
+    o_bias: bool | str = False
+    notes: str = ""
+
+    def _flag(self, config, flag: bool | str) -> bool:
+        return bool(getattr(config, flag, False)) if isinstance(flag, str) else flag
+
+    def has_qkv_bias(self, config) -> bool:
+        return self._flag(config, self.qkv_bias)
+
+    def has_o_bias(self, config) -> bool:
+        return self._flag(config, self.o_bias)
+
+    def attention_names(self, config, layer: int) -> dict[str, str]:
+        """Map roles (q, k, v, o, and q_bias/k_bias/v_bias/o_bias where present) to tensor names."""
+        prefix = self.layer_prefix.format(i=layer)
+        names = {role: f"{prefix}{proj}.weight" for role, proj in self.projections.items()}
+        if self.has_qkv_bias(config):
+            names.update({f"{r}_bias": f"{prefix}{self.projections[r]}.bias" for r in "qkv"})
+        if self.has_o_bias(config):
+            names["o_bias"] = f"{prefix}{self.projections['o']}.bias"
+        return names
+
+    def attention_prefix(self, layer: int) -> str:
+        return self.layer_prefix.format(i=layer)
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Head counts and sizes: H query heads, g KV heads, d head_dim, D hidden size."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def kv_elements_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+def attention_geometry(config) -> AttentionGeometry:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    return AttentionGeometry(config.hidden_size, heads, kv_heads, head_dim, config.num_hidden_layers)
+
+
+def rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" not in params and hasattr(config, "rope_theta"):
+        params = {**params, "rope_theta": config.rope_theta}
+    return params
+
+
+# RoPE types whose frequencies depend on the running sequence length cannot be stored as
+# fixed per-pair frequencies.
+_DYNAMIC_ROPE = {"dynamic", "longrope"}
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Per-pair inverse frequencies [d/2] (fp32) and the cos/sin scale, as transformers computes them.
+
+    Pair i is dims (i, i + d/2) of a head (rotate-half layout).
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in _DYNAMIC_ROPE:
+        raise UnsupportedArchitectureError(
+            f"rope type {rope_type!r} changes with sequence length and is not supported; "
+            f"supported: default, linear, llama3, yarn"
+        )
+    if rope_type == "default":
+        # Same formula as LlamaRotaryEmbedding.compute_default_rope_parameters.
+        dim = attention_geometry(config).head_dim
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq.float(), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedArchitectureError(f"unknown rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)

@@ -1,0 +1,65 @@
+"""MLAConfig: the "mla" block of a converted checkpoint's config.json.
+
+Notation (ALGORITHMS.md): H heads, d_c = kv_lora_rank (latent), d_r = qk_rope_head_dim (the one
+shared rope key), d_nope = qk_nope_head_dim, d_v = v_head_dim, d_q = q_lora_rank.
+Cache per token per layer: d_c + d_r elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class MLAConfig:
+    num_heads: int
+    hidden_size: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    # rope_inv_freq[layer][p]: inverse frequency of rope pair p (dims p, p + d_r/2) of the shared key.
+    rope_inv_freq: list[list[float]]
+    rope_attention_scaling: float = 1.0
+    q_lora_rank: int | None = None
+    q_a_norm: bool = False
+    kv_a_norm: bool = False
+    q_bias: bool = False
+    kv_a_bias: bool = False
+    kv_b_bias: bool = False
+    o_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    # "auto": absorbed decode for short queries over a cache, expanded K/V otherwise.
+    decode: str = "auto"
+    absorb_max_query_tokens: int = 8
+    # Provenance: the source's geometry and the conversion that produced this model.
+    source: dict[str, Any] = field(default_factory=dict)
+    method: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (whole rope pairs), got {self.qk_rope_head_dim}")
+        for i, freqs in enumerate(self.rope_inv_freq):
+            if len(freqs) != self.qk_rope_head_dim // 2:
+                raise ValueError(
+                    f"layer {i}: {len(freqs)} rope frequencies for qk_rope_head_dim {self.qk_rope_head_dim}"
+                )
+        if self.decode not in ("auto", "absorbed", "expanded"):
+            raise ValueError(f"decode must be auto, absorbed or expanded, got {self.decode!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_elements_per_token_per_layer(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MLAConfig":
+        return cls(**data)

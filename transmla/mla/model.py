@@ -1,0 +1,108 @@
+"""MLA models: each source family's causal LM with every attention layer swapped for MLAAttention.
+
+A converted checkpoint keeps its source config, gets model_type "transmla_<family>" and an "mla"
+block; `import transmla` registers these so AutoModelForCausalLM.from_pretrained loads them.
+"""
+
+from __future__ import annotations
+
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..families import FAMILIES, Family
+from .attention import MLAAttention
+from .config import MLAConfig
+
+MODEL_TYPE_PREFIX = "transmla_"
+
+
+def mla_model_type(family: Family) -> str:
+    return MODEL_TYPE_PREFIX + family.model_type
+
+
+def _swap_attention(model) -> None:
+    mla = MLAConfig.from_dict(model.config.mla)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn = MLAAttention(mla, i)
+
+
+def _build_classes(family: Family) -> tuple[type, type]:
+    base_config = getattr(transformers, family.config_class)
+    base_model = getattr(transformers, family.causal_lm_class)
+    config_cls = type(f"MLA{base_config.__name__}", (base_config,), {"model_type": mla_model_type(family)})
+
+    def __init__(self, config):
+        base_model.__init__(self, config)
+        _swap_attention(self)
+        self.post_init()
+
+    model_cls = type(
+        f"MLA{base_model.__name__}",
+        (base_model,),
+        {"config_class": config_cls, "__init__": __init__, "_supports_flash_attn": False},
+    )
+    return config_cls, model_cls
+
+
+CONFIG_CLASSES: dict[str, type] = {}
+MODEL_CLASSES: dict[str, type] = {}
+
+
+def register() -> None:
+    """Register every family's MLA config/model with the transformers Auto classes (idempotent)."""
+    for family in FAMILIES.values():
+        model_type = mla_model_type(family)
+        if model_type in CONFIG_CLASSES:
+            continue
+        config_cls, model_cls = _build_classes(family)
+        CONFIG_CLASSES[model_type], MODEL_CLASSES[model_type] = config_cls, model_cls
+        AutoConfig.register(model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        _share_weight_conversions(family.model_type, model_type)
+
+
+def _share_weight_conversions(source_type: str, model_type: str) -> None:
+    """Load legacy weight names (e.g. Mixtral's per-expert w1/w2/w3) as the source family does."""
+    from transformers import conversion_mapping
+
+    mapping = conversion_mapping.get_checkpoint_conversion_mapping(source_type)
+    if mapping is not None:
+        conversion_mapping.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+
+
+def is_mla_config(config) -> bool:
+    return getattr(config, "model_type", "").startswith(MODEL_TYPE_PREFIX) and getattr(config, "mla", None) is not None
+
+
+def source_model_type(config) -> str:
+    return config.model_type[len(MODEL_TYPE_PREFIX):] if is_mla_config(config) else config.model_type
+
+
+def mla_config_for(source_config, mla: MLAConfig):
+    """The converted model's config: the source config, re-typed, plus the "mla" block."""
+    register()
+    family_type = source_config.model_type
+    data = source_config.to_dict()
+    for key in ("model_type", "architectures", "quantization_config", "transformers_version", "auto_map"):
+        data.pop(key, None)
+    config_cls = CONFIG_CLASSES[MODEL_TYPE_PREFIX + family_type]
+    config = config_cls(**data, mla=mla.to_dict())
+    config.architectures = [MODEL_CLASSES[MODEL_TYPE_PREFIX + family_type].__name__]
+    return config
+
+
+def build_mla_model(config):
+    """An MLA model (random init) for an MLA config."""
+    register()
+    return MODEL_CLASSES[config.model_type](config)
+
+
+def set_decode_mode(model, mode: str) -> None:
+    """Force "absorbed" or "expanded" attention for every layer, or "auto" (absorbed for decode)."""
+    if mode not in ("auto", "absorbed", "expanded"):
+        raise ValueError(f"decode mode must be auto, absorbed or expanded, got {mode!r}")
+    for module in model.modules():
+        if isinstance(module, MLAAttention):
+            module.config.decode = mode
+    if isinstance(getattr(model.config, "mla", None), dict):
+        model.config.mla["decode"] = mode
