@@ -6,7 +6,7 @@ copied through unchanged (cast to the output dtype). Output appears only when co
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +23,6 @@ from .layers import MLALayer, SourceAttention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-LayerFn = Callable[[int, SourceAttention], MLALayer]
 
 
 @dataclass
@@ -49,6 +48,13 @@ def read_source_attention(reader: SafetensorsReader, config, layer: int) -> Sour
         raise KeyError(f"source checkpoint lacks {missing[0]} (layer {layer})")
     inv_freq, _ = rope_inv_freq(config)
     return SourceAttention.from_tensors(attention_geometry(config), inv_freq, {r: reader.get(n) for r, n in names.items()})
+
+
+def source_layers(source_dir: Path, config) -> Iterator[SourceAttention]:
+    """Each layer's source attention, read one layer at a time."""
+    with SafetensorsReader(source_dir) as reader:
+        for i in range(attention_geometry(config).num_layers):
+            yield read_source_attention(reader, config, i)
 
 
 def _shape_signature(layer: MLALayer) -> dict[str, tuple | None]:
@@ -93,14 +99,17 @@ def write_mla_checkpoint(
     source_dir: Path,
     config,
     output: Path,
-    layer_fn: LayerFn,
+    layers: Iterable[MLALayer],
     method: dict,
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     force: bool = False,
     progress: bool = True,
 ) -> ConvertResult:
-    """Convert every attention layer of the checkpoint in `source_dir` with `layer_fn`."""
+    """Write the checkpoint in `source_dir` with its attention replaced by `layers` (one per layer, in order).
+
+    `layers` is consumed lazily, so a method may read, calibrate and convert one layer at a time.
+    """
     family = family_for(config)
     geo = attention_geometry(config)
     out_dtype = DTYPES[dtype] if dtype else None
@@ -113,8 +122,9 @@ def write_mla_checkpoint(
             if name not in attention_names:
                 writer.add(name, cast(reader.get(name)))
         first, inv_freqs = None, []  # only layer 0's shapes and each layer's frequencies are kept
-        for i in progress_bar(range(geo.num_layers), "converting layers", enabled=progress):
-            layer = layer_fn(i, read_source_attention(reader, config, i))
+        count = 0
+        for i, layer in enumerate(progress_bar(layers, "converting layers", enabled=progress, total=geo.num_layers)):
+            count += 1
             if first is None:
                 first = layer
             elif _shape_signature(layer) != _shape_signature(first):
@@ -122,6 +132,8 @@ def write_mla_checkpoint(
             inv_freqs.append(layer.rope_inv_freq.tolist())
             for name, tensor in layer.state_dict(family.attention_prefix(i)).items():
                 writer.add(name, cast(tensor))
+        if count != geo.num_layers:
+            raise ValueError(f"the method produced {count} layers for a {geo.num_layers}-layer model")
         files = writer.close()
         mla = _mla_config(config, first, inv_freqs, method)
         out_config = mla_config_for(config, mla)

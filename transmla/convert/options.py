@@ -1,0 +1,42 @@
+"""Every conversion setting, validated once; the CLI fills it, the methods read it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ConvertOptions:
+    method: str = "lossless"  # lossless | transmla | mha2mla
+    # Cache shape. transmla: R + r; mha2mla: R + n_kv * 2P. --kv-budget derives them.
+    kv_lora_rank: int | None = None  # R (d_c)
+    rope_dim: int | None = None  # r (d_r), transmla
+    rope_pairs: int | None = None  # P per KV head, mha2mla
+    kv_budget: float | None = None  # fraction of the source cache
+    freqfold: str = "1"  # an integer or "auto" (transmla)
+    rope_select: str = "high"  # high | low | uniform | 2norm (mha2mla)
+    svd: str = "joint"  # joint | split (mha2mla)
+    svd_weighting: str = "none"  # none | activation (mha2mla)
+    q_lora_rank: int | None = None
+    # Calibration.
+    calib: str = "wiki"
+    calib_samples: int = 64
+    calib_seq_len: int = 512
+    seed: int = 0
+    propagate: str = "original"  # calibrate later layers on original | converted earlier layers
+    eval_data: str | None = None  # print perplexity after each stage
+    # Output.
+    dtype: str | None = None  # fp32 | bf16 | fp16 (default: the source's)
+    device: str = "auto"
+    max_shard_size: str = "5GB"
+    force: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
