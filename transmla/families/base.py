@@ -6,6 +6,7 @@ functions below read a transformers config of any supported family.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,15 +23,33 @@ class Family:
     model_type: str  # e.g. "llama"
     config_class: str  # transformers class names
     causal_lm_class: str
-    # Attention weight names inside layer `i` (prefix formatted with i).
-    layer_prefix: str = "model.layers.{i}.self_attn."
+    # Tensor names of decoder layer `i` start with layer_root (formatted with i).
+    layer_root: str = "model.layers.{i}."
+    attention_module: str = "self_attn"
     projections: dict[str, str] = field(
         default_factory=lambda: {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
     )
     # Bias presence: True/False, or the name of a boolean config attribute.
     qkv_bias: bool | str = False
     o_bias: bool | str = False
+    decoder_layer_class: str = ""  # in the causal LM's modeling module, e.g. "LlamaDecoderLayer"
+    embed_name: str = "model.embed_tokens.weight"
+    # Renames one layer's stored tensors (prefix stripped) into the decoder layer's parameter
+    # names, where transformers converts them on load (Mixtral's per-expert weights).
+    layer_weight_adapter: Callable[[dict], dict] | None = None
     notes: str = ""
+
+    def decoder_layer(self, config, layer: int):
+        """An empty (meta-free, CPU) decoder layer module of this family."""
+        import importlib
+
+        import transformers
+
+        module = importlib.import_module(getattr(transformers, self.causal_lm_class).__module__)
+        return getattr(module, self.decoder_layer_class)(config, layer)
+
+    def layer_state_dict(self, tensors: dict) -> dict:
+        return self.layer_weight_adapter(tensors) if self.layer_weight_adapter else tensors
 
     def _flag(self, config, flag: bool | str) -> bool:
         return bool(getattr(config, flag, False)) if isinstance(flag, str) else flag
@@ -43,7 +62,7 @@ class Family:
 
     def attention_names(self, config, layer: int) -> dict[str, str]:
         """Map roles (q, k, v, o, and q_bias/k_bias/v_bias/o_bias where present) to tensor names."""
-        prefix = self.layer_prefix.format(i=layer)
+        prefix = self.attention_prefix(layer)
         names = {role: f"{prefix}{proj}.weight" for role, proj in self.projections.items()}
         if self.has_qkv_bias(config):
             names.update({f"{r}_bias": f"{prefix}{self.projections[r]}.bias" for r in "qkv"})
@@ -52,7 +71,7 @@ class Family:
         return names
 
     def attention_prefix(self, layer: int) -> str:
-        return self.layer_prefix.format(i=layer)
+        return f"{self.layer_root.format(i=layer)}{self.attention_module}."
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,194 @@
+"""Calibration statistics, streamed one decoder layer at a time.
+
+Only the current layer's weights and the calibration tokens' hidden states are held. Every
+second moment the methods need is linear-algebra on one small matrix per layer: with
+x the attention input (after the layer's input norm) and x_a = [x; 1], the key, value and
+query maps are linear in x_a, so E[(W x + b)(W x + b)^T] = [W b] E[x_a x_a^T] [W b]^T.
+The per-pair norm means (MHA2MLA's 2-norm score) are not second moments and are
+accumulated token by token when asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint.reader import SafetensorsReader
+from ..families import attention_geometry, family_for, rope_inv_freq
+from ..mla.attention import MLAAttention
+from ..mla.config import MLAConfig
+from ..mla.model import build_mla_model, mla_config_for
+from ..progress import progress_bar
+from .layers import MLALayer, SourceAttention
+from .lowrank import with_bias_column
+from .pipeline import _mla_config, read_source_attention
+
+PROPAGATIONS = ("original", "converted")
+
+
+@dataclass
+class LayerStats:
+    gram: torch.Tensor  # [D+1, D+1] float64, mean over tokens of x_a x_a^T
+    tokens: int
+    q_pair_norm: torch.Tensor | None = None  # [H, d/2] mean 2-norm of each query head's pair
+    k_pair_norm: torch.Tensor | None = None  # [g, d/2]
+
+    def input_gram(self) -> torch.Tensor:
+        return self.gram
+
+    def second_moment(self, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """E[(W x + b)(W x + b)^T] (float64) for w [out, D]."""
+        wa = with_bias_column(w.double(), None if b is None else b.double())  # [out, D+1]
+        return wa @ self.gram @ wa.T
+
+
+class _StatsAccumulator:
+    def __init__(self, src: SourceAttention, pair_norms: bool, device) -> None:
+        D = src.geometry.hidden_size
+        self.src, self.pair_norms = src, pair_norms
+        self.gram = torch.zeros(D + 1, D + 1, dtype=torch.float64, device=device)
+        self.tokens = 0
+        g = src.geometry
+        self.q_norm = torch.zeros(g.num_heads, g.head_dim // 2, dtype=torch.float64, device=device)
+        self.k_norm = torch.zeros(g.num_kv_heads, g.head_dim // 2, dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])  # [n, D]
+        xa = torch.cat((x, x.new_ones(x.shape[0], 1)), dim=1).double()  # [n, D+1]
+        self.gram += xa.T @ xa
+        self.tokens += x.shape[0]
+        if self.pair_norms:
+            src, d = self.src, self.src.geometry.head_dim
+            for w, b, acc in ((src.wq, src.bq, self.q_norm), (src.wk, src.bk, self.k_norm)):
+                y = F.linear(x, w.to(x), None if b is None else b.to(x)).view(x.shape[0], -1, d)  # [n, heads, d]
+                acc += torch.sqrt(y[..., : d // 2] ** 2 + y[..., d // 2 :] ** 2).sum(0).double()  # [heads, d/2]
+
+    def result(self) -> LayerStats:
+        n = max(self.tokens, 1)
+        return LayerStats(
+            gram=(self.gram / n).cpu(),
+            tokens=self.tokens,
+            q_pair_norm=(self.q_norm / n).cpu() if self.pair_norms else None,
+            k_pair_norm=(self.k_norm / n).cpu() if self.pair_norms else None,
+        )
+
+
+def _rope_cos_sin(config, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source model's full-head cos/sin [1, T, d], as its rotary embedding computes them."""
+    inv_freq, scale = rope_inv_freq(config)
+    freqs = torch.arange(seq_len, device=device).float()[:, None] * inv_freq.to(device)[None]  # [T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _load_decoder_layer(reader: SafetensorsReader, config, layer: int, device):
+    family = family_for(config)
+    root = family.layer_root.format(i=layer)
+    tensors = {k[len(root):]: reader.get(k).float() for k in reader.keys() if k.startswith(root)}
+    module = family.decoder_layer(config, layer)
+    module.load_state_dict(family.layer_state_dict(tensors), strict=True)
+    return module.float().to(device).eval()
+
+
+def _mla_attention(config, layer: MLALayer, device) -> MLAAttention:
+    """A standalone MLAAttention holding one converted layer (its frequencies at index 0)."""
+    mla = _mla_config(config, layer, [layer.rope_inv_freq.tolist()], {})
+    attn = MLAAttention(mla, 0)
+    attn.load_state_dict({k: v.float() for k, v in layer.state_dict("").items()}, strict=True)
+    return attn.to(device).eval()
+
+
+def calibrated_layers(
+    source_dir: Path,
+    config,
+    calib_ids: torch.Tensor,
+    convert_layer: Callable[[int, SourceAttention, LayerStats], MLALayer],
+    *,
+    propagate: str = "original",
+    pair_norms: bool = False,
+    device: str = "cpu",
+    batch_size: int = 8,
+    progress: bool = True,
+) -> Iterator[MLALayer]:
+    """Calibrate and convert layer by layer; yields each converted layer in order.
+
+    calib_ids [N, T]. propagate: the hidden states fed to layer i+1 come from the original
+    layer i ("original") or from its converted MLA form ("converted").
+    """
+    if propagate not in PROPAGATIONS:
+        raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
+    family = family_for(config)
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa"
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"  # a standalone MoE layer has no dispatch otherwise
+    geo = attention_geometry(config)
+    with torch.inference_mode(), SafetensorsReader(source_dir) as reader:
+        ids = calib_ids.to(device)
+        hidden = F.embedding(ids, reader.get(family.embed_name).float().to(device))  # [N, T, D]
+        cos, sin = _rope_cos_sin(config, ids.shape[1], device)
+        position_ids = torch.arange(ids.shape[1], device=device)[None]
+        for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
+            layer = _load_decoder_layer(reader, config, i, device)
+            src = read_source_attention(reader, config, i)
+            acc = _StatsAccumulator(src, pair_norms, device)
+            for start in range(0, hidden.shape[0], batch_size):
+                acc.add(layer.input_layernorm(hidden[start : start + batch_size]))
+            converted = convert_layer(i, src, acc.result())
+            yield converted
+            if propagate == "converted":
+                layer.self_attn = _mla_attention(config, converted, device)
+            for start in range(0, hidden.shape[0], batch_size):
+                h = hidden[start : start + batch_size]
+                out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+                hidden[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
+            del layer
+
+
+def collect_layer_stats(
+    source_dir: Path, config, calib_ids: torch.Tensor, *, pair_norms: bool = False, device: str = "cpu",
+    batch_size: int = 8, progress: bool = True,
+) -> list[LayerStats]:
+    """Every layer's statistics under "original" propagation (small: (D+1)^2 per layer)."""
+    stats: list[LayerStats] = []
+
+    def keep(i, src, s):
+        stats.append(s)
+        from .replicate import replicate
+
+        return replicate(src)
+
+    for _ in calibrated_layers(
+        source_dir, config, calib_ids, keep, pair_norms=pair_norms, device=device, batch_size=batch_size, progress=progress
+    ):
+        pass
+    return stats
+
+
+def assemble_model(source_dir: Path, config, layers: Sequence[MLALayer], method: dict | None = None, dtype=torch.float32):
+    """An in-memory MLA model from converted layers plus the source's other weights (no files)."""
+    family = family_for(config)
+    mla = _mla_config(config, layers[0], [layer.rope_inv_freq.tolist() for layer in layers], method or {})
+    model = build_mla_model(mla_config_for(config, mla))
+    geo = attention_geometry(config)
+    state: dict[str, torch.Tensor] = {}
+    with SafetensorsReader(source_dir) as reader:
+        keys = reader.keys()
+        for i in range(geo.num_layers):
+            root, attn = family.layer_root.format(i=i), family.attention_prefix(i)
+            own = {k[len(root):]: reader.get(k) for k in keys if k.startswith(root) and not k.startswith(attn)}
+            state.update({root + k: v for k, v in family.layer_state_dict(own).items()})
+            state.update(layers[i].state_dict(attn))
+        state.update({k: reader.get(k) for k in keys if not k.startswith(family.layer_root.split("{")[0])})
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise ValueError(f"assembling the MLA model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
