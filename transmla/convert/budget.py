@@ -1,0 +1,53 @@
+"""TransMLA cache shapes: R (latent d_c) and r (shared rope key d_r) from a budget, validated.
+
+Cache per token per layer: R + r elements; the source's is 2*g*d. The published settings keep a
+third of the budget as rope dims (SmolLM2: 128 + 64, 64 + 32, 32 + 16 for 50/25/12.5%).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+
+def transmla_budget(source_kv_elements: int, fraction: float, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
+    """(R, r) for a cache of `fraction` of the source's: r = the largest whole number of pairs
+    within a third of the budget, R = the rest (capped at what the layer can use)."""
+    if not fraction > 0:
+        raise ValueError(f"--kv-budget must be a positive fraction of the source cache, got {fraction}")
+    budget = int(round(fraction * source_kv_elements))
+    if budget < 3:
+        raise ValueError(f"--kv-budget {fraction} leaves {budget} cached elements per token; TransMLA needs at least 3")
+    full = 2 * num_kv_heads * head_dim
+    r = min(2 * (budget // 6), num_kv_heads * head_dim)  # whole pairs, about a third of the budget
+    r = max(r, 2)
+    R = min(budget - r, full - r)
+    validate_transmla_shape(R, r, head_dim, num_kv_heads)
+    return R, r
+
+
+def validate_transmla_shape(kv_lora_rank: int, rope_dim: int, head_dim: int, num_kv_heads: int) -> None:
+    """Errors for shapes TransMLA cannot build; a warning when the cache does not shrink."""
+    keys = num_kv_heads * head_dim
+    full = 2 * keys
+    if rope_dim < 2 or rope_dim % 2:
+        raise ValueError(f"--rope-dim must cover whole rope pairs (a positive even number), got {rope_dim}")
+    if rope_dim > keys:
+        raise ValueError(
+            f"--rope-dim {rope_dim} does not fit: the keys have {keys} dims ({num_kv_heads} KV heads x {head_dim})"
+        )
+    if kv_lora_rank < 1:
+        raise ValueError(f"--kv-lora-rank must be positive, got {kv_lora_rank}")
+    if kv_lora_rank > full - rope_dim:
+        raise ValueError(
+            f"--kv-lora-rank {kv_lora_rank} is larger than the {full - rope_dim} dims it compresses "
+            f"(2 * {num_kv_heads} KV heads * {head_dim} - rope dim {rope_dim})"
+        )
+    if kv_lora_rank + rope_dim >= full:
+        warnings.warn(
+            f"latent {kv_lora_rank} + rope {rope_dim} = {kv_lora_rank + rope_dim} cached elements per token per "
+            f"layer: not smaller than the source's {full}; the cache does not shrink",
+            stacklevel=2,
+        )
+
+
+__all__ = ["transmla_budget", "validate_transmla_shape"]

@@ -1,0 +1,407 @@
+"""RoRoPE and FreqFold: concentrate the keys' positional information in a few rope pairs.
+
+ALGORITHMS.md, TransMLA 1-2. Notation: g KV heads, d head_dim, H query heads, F the fold.
+Pair i of key head j is the complex number z_j,i = k_j[i] + 1j*k_j[i + d/2] (rotate-half layout);
+RoPE at position t multiplies it by exp(1j*w_i*t) and a score is sum Re(q conj(k)).
+
+Pair space: the g*d/2 complex coordinates p = j*(d/2) + i, the order of the replicated shared rope
+key (replicate.rope_pair_rows). A fold group a pools the F adjacent frequencies aF..aF+F-1 of all g
+heads: g*F coordinates (j, k) -> p = j*(d/2) + aF + k. RoRoPE is F = 1.
+
+Per group, a real orthogonal U_a (PCA of C_a = E[Re z Re z^T + Im z Im z^T], uncentred, float64,
+descending) rotates the coordinates into components m = a*g*F + c. The same U_a acts on real and
+imaginary parts of the keys and of the slot-placed queries; for F = 1 it commutes with
+exp(1j*w_i*t), so every score is unchanged (exact). A subset of components is kept as rope pairs of
+the shared key, each with one frequency; the others lose RoPE and become NoPE dims (the
+approximation). For F > 1 a kept component mixes F frequencies but rotates with one (approximate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .lowrank import principal_basis
+from .replicate import rope_pair_rows
+
+SELECTIONS = ("uniform", "score")
+FREQUENCY_RULES = ("published", "weighted")
+
+
+# --------------------------------------------------------------------------------------------
+# Second moments in pair space
+# --------------------------------------------------------------------------------------------
+
+
+def pair_second_moment(moment: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """C[p, p'] = E[Re z_p Re z_p' + Im z_p Im z_p'] from E[k k^T] of `num_heads` rotate-half heads.
+
+    moment [num_heads*d, num_heads*d] (head-major rows, as k_proj) -> [num_heads*d/2, num_heads*d/2].
+    C is RoPE-invariant: the rotation by exp(1j*w*t) is unitary on each pair.
+    """
+    rows = rope_pair_rows(num_heads, head_dim)
+    half = rows.numel() // 2
+    re, im = rows[:half], rows[half:]
+    m = moment.double()
+    return m[re][:, re] + m[im][:, im]  # [n*d/2, n*d/2]
+
+
+def query_pair_moment(query_moments: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Pair-space second moment of the slot-placed queries, summed over each group's heads.
+
+    query_moments [g, d, d]: sum over the query heads of group j of E[q_h q_h^T] (un-rotated).
+    A slot-placed query lives in its group's slot only, so the result is block-diagonal over
+    heads: [g*d/2, g*d/2] (pair space). Used only to score components (never for exactness).
+    """
+    half = head_dim // 2
+    out = query_moments.new_zeros(num_kv_heads * half, num_kv_heads * half, dtype=torch.float64)
+    for j in range(num_kv_heads):
+        m = query_moments[j].double()  # [d, d]
+        out[j * half : (j + 1) * half, j * half : (j + 1) * half] = m[:half, :half] + m[half:, half:]
+    return out
+
+
+def group_pairs(num_kv_heads: int, head_dim: int, fold: int, group: int) -> torch.Tensor:
+    """Pair-space coordinates of fold group `group`, in (head j, frequency k) order: [g*F]."""
+    half = head_dim // 2
+    j = torch.arange(num_kv_heads)[:, None]
+    k = torch.arange(fold)[None, :]
+    return (j * half + group * fold + k).reshape(-1)
+
+
+def check_fold(fold: int, head_dim: int) -> None:
+    half = head_dim // 2
+    if fold < 1 or half % fold:
+        raise ValueError(f"freqfold must divide head_dim/2 = {half}, got {fold}")
+
+
+# --------------------------------------------------------------------------------------------
+# The rotation (RoRoPE for F = 1, FreqFold for F > 1)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RopeRotation:
+    """One orthogonal basis per fold group; components m = a*g*F + c, c by descending energy."""
+
+    num_kv_heads: int
+    head_dim: int
+    fold: int
+    basis: torch.Tensor  # [G, g*F, g*F] float64, columns = components; rows (j, k) as group_pairs
+    energy: torch.Tensor  # [G, g*F] key energy E|z'_c|^2 of each component (eigenvalues)
+
+    @property
+    def num_groups(self) -> int:
+        return self.basis.shape[0]
+
+    @property
+    def group_width(self) -> int:
+        return self.basis.shape[1]
+
+    def matrix(self) -> torch.Tensor:
+        """T [g*d/2 components, g*d/2 pairs], orthogonal: z' = T z (same T on real and imaginary parts)."""
+        n = self.num_kv_heads * self.head_dim // 2
+        t = torch.zeros(n, n, dtype=torch.float64)
+        w = self.group_width
+        for a in range(self.num_groups):
+            cols = group_pairs(self.num_kv_heads, self.head_dim, self.fold, a)
+            t[a * w : (a + 1) * w, cols] = self.basis[a].T  # rows = components of group a
+        return t
+
+    def component_group(self) -> torch.Tensor:
+        """Fold group of every component: [g*d/2]."""
+        return torch.arange(self.num_groups).repeat_interleave(self.group_width)
+
+    def frequency_weights(self) -> torch.Tensor:
+        """[g*d/2, F]: how much of component m lies on each frequency k of its group (rows sum to 1)."""
+        g, f = self.num_kv_heads, self.fold
+        w = self.basis.pow(2).view(self.num_groups, g, f, self.group_width).sum(1)  # [G, F, gF]
+        return w.transpose(1, 2).reshape(-1, f)
+
+
+def rorope(key_pair_moment: torch.Tensor, num_kv_heads: int, head_dim: int, fold: int = 1) -> RopeRotation:
+    """PCA of the key pairs across KV heads, per fold group of `fold` adjacent frequencies.
+
+    key_pair_moment [g*d/2, g*d/2] from pair_second_moment (E[k k^T] of the un-rotated keys).
+    """
+    check_fold(fold, head_dim)
+    groups = head_dim // 2 // fold
+    bases, energies = [], []
+    for a in range(groups):
+        idx = group_pairs(num_kv_heads, head_dim, fold, a)
+        c_a = key_pair_moment.double()[idx][:, idx]  # [gF, gF] = sum Re z Re z^T + Im z Im z^T
+        basis, energy = principal_basis(c_a)  # descending; damping would not change the basis
+        bases.append(basis)
+        energies.append(energy)
+    return RopeRotation(num_kv_heads, head_dim, fold, torch.stack(bases), torch.stack(energies))
+
+
+# --------------------------------------------------------------------------------------------
+# Which components stay rope, and at which frequency
+# --------------------------------------------------------------------------------------------
+
+
+def mean_cos(inv_freq: torch.Tensor, context: int) -> torch.Tensor:
+    """E_Delta cos(w*Delta) over the relative distances of all causal pairs of a `context`-token
+    window, P(Delta) proportional to (context - Delta), Delta = 0..context-1."""
+    delta = torch.arange(context, dtype=torch.float64)
+    weight = (context - delta) / (context * (context + 1) / 2)  # [L], sums to 1
+    return (torch.cos(inv_freq.double()[:, None] * delta[None]) * weight).sum(-1)
+
+
+def component_scores(
+    rotation: RopeRotation, query_pair: torch.Tensor, inv_freq: torch.Tensor, context: int = 512
+) -> torch.Tensor:
+    """How much each component's score would change if it lost RoPE: [g*d/2].
+
+    E|q'_m|^2 * E|z'_m|^2 * E_Delta|exp(1j*w_m*Delta) - 1|^2, with w_m the component's
+    energy-weighted frequency (the MHA2MLA 2-norm idea, made frequency-aware: slow pairs barely
+    rotate within the context, so they lose little as NoPE).
+    """
+    t = rotation.matrix()  # [n, n]
+    q_energy = torch.einsum("mp,pq,mq->m", t, query_pair.double(), t)  # [n]
+    k_energy = rotation.energy.reshape(-1)
+    w = weighted_frequencies(rotation, inv_freq)
+    sensitivity = 2.0 - 2.0 * mean_cos(w, context)
+    return q_energy.clamp_min(0) * k_energy * sensitivity
+
+
+def select_components(
+    rotation: RopeRotation, num_pairs: int, rule: str = "uniform", scores: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Component indices kept as rope pairs (ascending), num_pairs = r/2 of them.
+
+    uniform (published TransMLA): the top num_pairs/G components of every fold group by key energy.
+    score: the num_pairs components with the largest `scores`, wherever they are.
+    """
+    n = rotation.num_groups * rotation.group_width
+    if not 0 <= num_pairs <= n:
+        raise ValueError(f"{num_pairs} rope pairs do not fit {n} key pairs")
+    if rule == "uniform":
+        groups = rotation.num_groups
+        if num_pairs % groups:
+            raise ValueError(
+                f"freqfold {rotation.fold} makes {groups} groups; {num_pairs} rope pairs are not a multiple "
+                f"(published TransMLA keeps the same count per group: choose r so that r/2 divides evenly)"
+            )
+        per = num_pairs // groups
+        base = torch.arange(groups)[:, None] * rotation.group_width
+        return (base + torch.arange(per)[None, :]).reshape(-1)
+    if rule == "score":
+        if scores is None:
+            raise ValueError("score selection needs component scores")
+        return torch.sort(torch.topk(scores, num_pairs).indices).values
+    raise ValueError(f"rope selection must be one of {', '.join(SELECTIONS)}, got {rule!r}")
+
+
+def weighted_frequencies(rotation: RopeRotation, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Every component's frequency as the weighted mean of its group's frequencies: [g*d/2]."""
+    f = rotation.fold
+    group_freq = inv_freq.double().view(rotation.num_groups, f)  # [G, F]
+    group = rotation.component_group()
+    return (rotation.frequency_weights() * group_freq[group]).sum(-1)
+
+
+def kept_frequencies(
+    rotation: RopeRotation, kept: torch.Tensor, inv_freq: torch.Tensor, rule: str = "published"
+) -> torch.Tensor:
+    """Inverse frequency of each kept component: [len(kept)] (float32, as the model stores it).
+
+    published: in a group keeping k components (by rank b = 0..k-1), the b-th rotates at
+      w_(aF + floor(b*F/k)) — TransMLA's w_(aF), w_(aF+c), ... with c = F/k. Exact for F = 1.
+    weighted: the component's energy-weighted mean frequency (also exact for F = 1).
+    """
+    if rule == "weighted":
+        return weighted_frequencies(rotation, inv_freq)[kept].float()
+    if rule != "published":
+        raise ValueError(f"frequency rule must be one of {', '.join(FREQUENCY_RULES)}, got {rule!r}")
+    f, w = rotation.fold, rotation.group_width
+    out = []
+    group_of = kept // w
+    for m in kept.tolist():
+        a = m // w
+        same = kept[group_of == a]
+        b = int((same < m).sum())  # rank among the group's kept components
+        out.append(inv_freq[a * f + (b * f) // len(same)])
+    return torch.stack(out).float() if out else inv_freq.new_zeros(0)
+
+
+# --------------------------------------------------------------------------------------------
+# The partial-RoPE layer (rotation applied, components split into rope and NoPE)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PartialRope:
+    """A layer after RoRoPE/FreqFold and the rope/NoPE split, before the low-rank step.
+
+    All maps act on the augmented input [x; 1] (last column = bias).
+    Head h (group j) scores RoPE(q_rope[h]) . RoPE(k_rope) + q_h . (nope_to_head[j] @ k_nope),
+    with q_h the source query head, unchanged. nope_to_head[j] maps the NoPE components back to
+    head j's (un-rotated) key coordinates: the rows of T^T that belong to head j.
+    """
+
+    k_rope: torch.Tensor  # [r, D+1] rotate-half: real parts of the kept components, then imaginary
+    q_rope: torch.Tensor  # [H, r, D+1]
+    k_nope: torch.Tensor  # [g*d - r, D+1] real parts of the other components, then imaginary
+    nope_to_head: torch.Tensor  # [g, d, g*d - r]
+    inv_freq: torch.Tensor  # [r/2]
+
+
+def split_rope(
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    num_heads: int,
+    rotation: RopeRotation,
+    kept: torch.Tensor,
+    inv_freq: torch.Tensor,
+    nope_scale: torch.Tensor | None = None,
+) -> PartialRope:
+    """Apply the rotation to keys and slot-placed queries and split rope from NoPE components.
+
+    wq [H*d, D+1], wk [g*d, D+1] augmented (with_bias_column). kept: component indices (rope, in
+    this order), inv_freq [len(kept)] their frequencies. nope_scale [g*d/2] optional factor on each
+    NoPE component's score (1 = plain NoPE, the published choice).
+    With every component kept (F = 1, published frequencies) the scores equal the source's.
+    """
+    g, d = rotation.num_kv_heads, rotation.head_dim
+    half, n = d // 2, rotation.num_kv_heads * d // 2
+    group = num_heads // g
+    t = rotation.matrix()  # [n, n]
+    dtype = torch.float64
+    rows = rope_pair_rows(g, d)
+    k_re = t @ wk.double()[rows[:n]]  # [n, D+1] real parts of the components (z' = T z)
+    k_im = t @ wk.double()[rows[n:]]  # [n, D+1] imaginary parts
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[kept] = True
+    nope = torch.arange(n)[~mask]
+    q = wq.double().view(num_heads, d, -1)
+    q_rope = []
+    for h in range(num_heads):
+        t_j = t[:, (h // group) * half : (h // group + 1) * half]  # [n, d/2] slot of group j
+        q_re, q_im = t_j @ q[h, :half], t_j @ q[h, half:]  # [n, D+1] rotated slot-placed query
+        q_rope.append(torch.cat((q_re[kept], q_im[kept])))  # [r, D+1]
+    # Head j's key = T^T z' restricted to its slot; keep the NoPE columns (real, then imaginary).
+    to_head = torch.zeros(g, d, 2 * nope.numel(), dtype=dtype)
+    for j in range(g):
+        back = t[nope][:, j * half : (j + 1) * half].T  # [d/2, |N|]
+        to_head[j, :half, : nope.numel()] = back
+        to_head[j, half:, nope.numel() :] = back
+    # The NoPE factor goes on the key side, so that the low-rank step sees what the scores use.
+    scale = torch.ones(n, dtype=dtype) if nope_scale is None else nope_scale.double()
+    s_nope = scale[nope][:, None]  # [|N|, 1]
+    return PartialRope(
+        k_rope=torch.cat((k_re[kept], k_im[kept])),
+        q_rope=torch.stack(q_rope),
+        k_nope=torch.cat((k_re[nope] * s_nope, k_im[nope] * s_nope)),
+        nope_to_head=to_head,
+        inv_freq=inv_freq.float(),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A cheap, stated criterion for FreqFold: the expected attention-logit error
+# --------------------------------------------------------------------------------------------
+
+
+def logit_error(
+    rotation: RopeRotation,
+    kept: torch.Tensor,
+    kept_inv_freq: torch.Tensor,
+    inv_freq: torch.Tensor,
+    key_moment: torch.Tensor,
+    query_moments: torch.Tensor,
+    context: int = 512,
+    nope_scale: torch.Tensor | None = None,
+) -> float:
+    """E over query/key tokens and causal distances of (converted logit - source logit)^2.
+
+    Per fold group a, in the real coordinates [Re; Im] of its g*F pairs, a score is
+    q^T M(Delta) k with M = [[cos, sin], [-sin, cos]] (source: diagonal, the pair frequencies;
+    converted: R diag(...) R^T, R = blockdiag(U_a, U_a), kept components at their assigned
+    frequency, NoPE components cos = nope_scale, sin = 0). Query and key tokens taken independent:
+    E[(q^T E k)^2] = tr(E^T C_q E C_k); Delta weighted as in mean_cos. Groups are treated as
+    uncorrelated (cross-frequency terms average out over Delta). Cheap: (2gF)^3 per distance.
+
+    key_moment [g*d, g*d] = E[k k^T]; query_moments [g, d, d] = per-group sums of E[q_h q_h^T].
+    """
+    g, d, f = rotation.num_kv_heads, rotation.head_dim, rotation.fold
+    half, w = d // 2, rotation.group_width
+    n = g * half
+    delta = torch.arange(context, dtype=torch.float64)
+    pw = (context - delta) / (context * (context + 1) / 2)  # [L] P(Delta)
+    rows = rope_pair_rows(g, d)
+    km = key_moment.double()[rows][:, rows]  # [2n, 2n] real-stacked [Re; Im] in pair space
+    qm = torch.zeros(2 * n, 2 * n, dtype=torch.float64)
+    for j in range(g):
+        m = query_moments[j].double()
+        for si, sl in enumerate((slice(0, half), slice(half, d))):
+            for sj, sl2 in enumerate((slice(0, half), slice(half, d))):
+                qm[si * n + j * half : si * n + (j + 1) * half, sj * n + j * half : sj * n + (j + 1) * half] = m[sl, sl2]
+    kept_freq = torch.zeros(n, dtype=torch.float64)
+    is_kept = torch.zeros(n, dtype=torch.bool)
+    is_kept[kept] = True
+    kept_freq[kept] = kept_inv_freq.double()
+    scale = torch.ones(n, dtype=torch.float64) if nope_scale is None else nope_scale.double()
+    total = 0.0
+    for a in range(rotation.num_groups):
+        idx = group_pairs(g, d, f, a)
+        idx2 = torch.cat((idx, idx + n))  # [2gF] real then imaginary coordinates
+        c_k, c_q = km[idx2][:, idx2], qm[idx2][:, idx2]
+        src_w = inv_freq.double()[a * f : (a + 1) * f].repeat(g)  # [gF] frequency of each (j, k)
+        comps = torch.arange(a * w, (a + 1) * w)
+        cos_c = torch.where(is_kept[comps, None], torch.cos(kept_freq[comps, None] * delta), scale[comps, None])
+        sin_c = torch.where(is_kept[comps, None], torch.sin(kept_freq[comps, None] * delta), torch.zeros(()))
+        u = rotation.basis[a]  # [gF, gF]
+        # E(Delta) = M_source - M_converted, both 2x2 blocks of [gF, gF] matrices: [L, 2gF, 2gF]
+        p = torch.diag_embed(torch.cos(src_w[:, None] * delta).T) - torch.einsum("ic,lc,jc->lij", u, cos_c.T, u)
+        s = torch.diag_embed(torch.sin(src_w[:, None] * delta).T) - torch.einsum("ic,lc,jc->lij", u, sin_c.T, u)
+        err = torch.cat((torch.cat((p, s), -1), torch.cat((-s, p), -1)), -2)  # [L, 2gF, 2gF]
+        x = c_q @ err @ c_k  # tr(E^T C_q E C_k) = sum(E * (C_q E C_k))
+        total += float(((x * err).sum((-1, -2)) * pw).sum())
+    return total
+
+
+def fold_candidates(head_dim: int, num_pairs: int, rule: str, max_fold: int = 8) -> list[int]:
+    """Folds to try for --freqfold auto: powers of two dividing d/2 (up to max_fold) that the
+    selection rule can use with num_pairs rope pairs."""
+    half = head_dim // 2
+    out = []
+    f = 1
+    while f <= min(max_fold, half):
+        if half % f == 0 and (rule != "uniform" or num_pairs % (half // f) == 0):
+            out.append(f)
+        f *= 2
+    return out
+
+
+def nope_scales(rotation: RopeRotation, inv_freq: torch.Tensor, context: int = 512) -> torch.Tensor:
+    """Least-squares factor for each component's score once it loses RoPE: E_Delta cos(w_m*Delta).
+
+    A NoPE'd pair contributes Re(q conj(z)) * beta instead of Re(q conj(z) exp(1j*w*Delta));
+    beta = E cos(w*Delta) minimises the expected squared difference (1 for slow pairs, ~0 for fast
+    ones, whose rotation averages out). [g*d/2]
+    """
+    return mean_cos(weighted_frequencies(rotation, inv_freq), context)
+
+
+__all__ = [
+    "FREQUENCY_RULES",
+    "PartialRope",
+    "RopeRotation",
+    "SELECTIONS",
+    "check_fold",
+    "component_scores",
+    "fold_candidates",
+    "kept_frequencies",
+    "logit_error",
+    "mean_cos",
+    "nope_scales",
+    "pair_second_moment",
+    "query_pair_moment",
+    "rorope",
+    "select_components",
+    "split_rope",
+    "weighted_frequencies",
+]

@@ -1,0 +1,337 @@
+"""The TransMLA method: RoRoPE, FreqFold and BKV-PCA, calibrated one layer at a time.
+
+Per layer (ALGORITHMS.md, TransMLA): from the layer's calibration gram G = E[[x;1][x;1]^T],
+1. RoRoPE / FreqFold: PCA of the key pairs across KV heads (per fold group of F frequencies),
+   the same rotation on keys and slot-placed queries; r/2 components stay rope pairs, the rest
+   become NoPE (rope.py);
+2. BKV balance and the joint PCA of [K_nope/alpha; V] at rank R (bkv.py);
+3. optionally a low-rank query (PCA, rank Q).
+Everything is a second moment of a linear map of x, so G is all a layer needs: the calibration
+holds one layer's weights and the calibration tokens' hidden states, never every layer's
+activations (calibrate.calibrated_layers).
+
+`TransMLAPlan` holds every choice. `published_plan` is the published algorithm; `default_plan`
+is ours (see eval/results/transmla_bench.md for the measurements behind each default).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..families import attention_geometry
+from ..progress import stderr_console
+from .bkv import assemble_layer, augmented, identity_latent, joint_pca
+from .budget import transmla_budget, validate_transmla_shape
+from .layers import MLALayer, SourceAttention
+from .options import ConvertOptions
+from .rope import (
+    check_fold,
+    component_scores,
+    fold_candidates,
+    kept_frequencies,
+    logit_error,
+    nope_scales,
+    pair_second_moment,
+    query_pair_moment,
+    rorope,
+    select_components,
+    split_rope,
+)
+
+DEFAULT_PROPAGATE = "converted"
+
+
+@dataclass
+class TransMLAPlan:
+    """Every choice of one TransMLA conversion (the same for all layers unless a rule picks per layer)."""
+
+    kv_lora_rank: int  # R = d_c
+    rope_dim: int  # r = d_r (whole pairs)
+    freqfold: int | str = "auto"  # F, or "auto": per layer, the F with the least expected logit error
+    selection: str = "uniform"  # uniform (published: same count per fold group) | score
+    frequencies: str = "published"  # published | weighted (frequency of a folded component)
+    nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
+    balance: bool = True  # BKV
+    centre: bool = False  # PCA of the covariance (means restored exactly) instead of the second moment
+    q_lora_rank: int | None = None
+    context: int = 512  # relative distances the logit criterion averages over
+    max_fold: int = 8  # largest F tried by "auto"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def published_plan(kv_lora_rank: int, rope_dim: int, freqfold: int) -> TransMLAPlan:
+    """TransMLA as published: uniform per-group selection, published frequencies, plain NoPE, BKV,
+    uncentred PCA, a fixed F (the public scripts pick it by test perplexity)."""
+    return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, selection="uniform", frequencies="published")
+
+
+def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto", q_lora_rank: int | None = None) -> TransMLAPlan:
+    """Our defaults, chosen by measurement (eval/results/transmla_bench.md)."""
+    return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, q_lora_rank=q_lora_rank)
+
+
+# --------------------------------------------------------------------------------------------
+# One layer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerMoments:
+    """The second moments one layer's conversion needs, all from the gram."""
+
+    gram: torch.Tensor  # [D+1, D+1]
+    key: torch.Tensor  # [g*d, g*d] E[k k^T]
+    query: torch.Tensor  # [g, d, d] per group: sum over its query heads of E[q_h q_h^T]
+
+    @classmethod
+    def of(cls, src: SourceAttention, gram: torch.Tensor) -> "LayerMoments":
+        geo = src.geometry
+        g = gram.double()
+        wk = augmented(src.wk, src.bk)
+        wq = augmented(src.wq, src.bq).view(geo.num_heads, geo.head_dim, -1)  # [H, d, D+1]
+        key = wk @ g @ wk.T
+        q = torch.einsum("hdx,xy,hey->hde", wq, g, wq)  # [H, d, d]
+        query = q.view(geo.num_kv_heads, geo.group_size, geo.head_dim, geo.head_dim).sum(1)
+        return cls(gram=g, key=key, query=query)
+
+
+@dataclass
+class RopeChoice:
+    fold: int
+    kept: torch.Tensor
+    inv_freq: torch.Tensor
+    nope_scale: torch.Tensor | None
+    rotation: object
+    logit_error: float  # relative expected squared logit error (0 = exact)
+
+
+def _rope_choice(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan, fold: int) -> RopeChoice:
+    geo = src.geometry
+    g, d = geo.num_kv_heads, geo.head_dim
+    rot = rorope(pair_second_moment(m.key, g, d), g, d, fold)
+    num_pairs = plan.rope_dim // 2
+    scores = None
+    if plan.selection == "score":
+        scores = component_scores(rot, query_pair_moment(m.query, g, d), src.inv_freq, plan.context)
+    kept = select_components(rot, num_pairs, plan.selection, scores)
+    freqs = kept_frequencies(rot, kept, src.inv_freq, plan.frequencies)
+    scale = nope_scales(rot, src.inv_freq, plan.context) if plan.nope_scale else None
+    err = logit_error(rot, kept, freqs, src.inv_freq, m.key, m.query, plan.context, scale)
+    zero = torch.zeros(g * d // 2, dtype=torch.float64)
+    total = logit_error(rot, kept[:0], freqs[:0], src.inv_freq, m.key, m.query, plan.context, zero)
+    return RopeChoice(fold, kept, freqs, scale, rot, err / total if total > 0 else 0.0)
+
+
+def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tuple[RopeChoice, dict[int, float]]:
+    """The RoRoPE/FreqFold choice for one layer; with freqfold "auto", the fold among
+    fold_candidates with the smallest expected logit error (rope.logit_error). Returns the choice
+    and every tried fold's relative error."""
+    d = src.geometry.head_dim
+    if plan.freqfold == "auto":
+        folds = fold_candidates(d, plan.rope_dim // 2, plan.selection, plan.max_fold)
+        if not folds:
+            raise ValueError(f"no freqfold fits {plan.rope_dim // 2} rope pairs with {plan.selection} selection")
+    else:
+        folds = [int(plan.freqfold)]
+    choices = [_rope_choice(src, m, plan, f) for f in folds]
+    best = min(choices, key=lambda c: c.logit_error)
+    return best, {c.fold: c.logit_error for c in choices}
+
+
+def convert_layer(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan, stages: bool = False):
+    """One source layer -> (MLA layer, info dict[, {stage: MLALayer} when stages]).
+
+    Stages (for --eval-data): "rorope" (smallest usable fold, full-rank latent), "freqfold" (the
+    chosen fold, full-rank latent) and "bkv_pca" (the result).
+    """
+    geo = src.geometry
+    m = LayerMoments.of(src, gram)
+    choice, tried = choose_rope(src, m, plan)
+    wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
+    partial = split_rope(wq, wk, geo.num_heads, choice.rotation, choice.kept, choice.inv_freq, choice.nope_scale)
+    latent = joint_pca(partial.k_nope, wv, gram, plan.kv_lora_rank, balance=plan.balance, centre=plan.centre)
+    q_bias = src.bq is not None
+    kv_bias = src.bk is not None or src.bv is not None or plan.centre
+    layer = assemble_layer(
+        wq, src.wo, src.bo, partial, latent, geo.num_heads, q_bias=q_bias, kv_bias=kv_bias,
+        q_lora_rank=plan.q_lora_rank, gram=gram,
+    )
+    info = {
+        "freqfold": choice.fold,
+        "logit_error": choice.logit_error,
+        "logit_error_by_fold": tried,
+        "alpha": latent.alpha,
+        "pca_energy_kept": latent.kept_energy(),
+    }
+    if not stages:
+        return layer, info
+    full_kv_bias = src.bk is not None or src.bv is not None
+    out = {}
+    folds = fold_candidates(geo.head_dim, plan.rope_dim // 2, plan.selection, geo.head_dim // 2)
+    first = replace(plan, freqfold=folds[0]) if folds else plan
+    for name, p in (("rorope", first), ("freqfold", None)):
+        c = choice if p is None else choose_rope(src, m, p)[0]
+        part = split_rope(wq, wk, geo.num_heads, c.rotation, c.kept, c.inv_freq, c.nope_scale)
+        out[name] = assemble_layer(
+            wq, src.wo, src.bo, part, identity_latent(part.k_nope, wv), geo.num_heads,
+            q_bias=q_bias, kv_bias=full_kv_bias,
+        )
+    out["bkv_pca"] = layer
+    return layer, info, out
+
+
+# --------------------------------------------------------------------------------------------
+# The method (CLI --method transmla)
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_shape(options: ConvertOptions, config) -> tuple[int, int]:
+    """(R, r) from --kv-budget or --kv-lora-rank/--rope-dim, validated."""
+    geo = attention_geometry(config)
+    source = geo.kv_elements_per_token_per_layer
+    if options.kv_budget is not None:
+        if options.kv_lora_rank is not None or options.rope_dim is not None:
+            raise ValueError("give either --kv-budget or --kv-lora-rank/--rope-dim, not both")
+        R, r = transmla_budget(source, options.kv_budget, geo.head_dim, geo.num_kv_heads)
+    else:
+        if options.kv_lora_rank is None or options.rope_dim is None:
+            raise ValueError("transmla needs --kv-lora-rank and --rope-dim, or --kv-budget")
+        R, r = options.kv_lora_rank, options.rope_dim
+    validate_transmla_shape(R, r, geo.head_dim, geo.num_kv_heads)
+    return R, r
+
+
+def plan_from_options(options: ConvertOptions, config) -> TransMLAPlan:
+    geo = attention_geometry(config)
+    R, r = resolve_shape(options, config)
+    fold: int | str = str(options.freqfold).strip().lower()
+    if fold != "auto":
+        try:
+            fold = int(fold)
+        except ValueError:
+            raise ValueError(f"--freqfold must be an integer or 'auto', got {options.freqfold!r}") from None
+        check_fold(fold, geo.head_dim)
+    plan = default_plan(R, r, fold, options.q_lora_rank)
+    if fold != "auto" and plan.selection == "uniform" and (r // 2) % (geo.head_dim // 2 // fold):
+        raise ValueError(
+            f"--freqfold {fold} with --rope-dim {r}: {r // 2} rope pairs cannot be spread evenly over "
+            f"{geo.head_dim // 2 // fold} fold groups (use a larger fold or 'auto')"
+        )
+    if options.q_lora_rank is not None:
+        q_out = geo.num_heads * (geo.head_dim + r)
+        if not 1 <= options.q_lora_rank <= min(q_out, geo.hidden_size):
+            raise ValueError(f"--q-lora-rank must be between 1 and {min(q_out, geo.hidden_size)}, got {options.q_lora_rank}")
+    return plan
+
+
+def _calibration_ids(source_dir: Path, options: ConvertOptions) -> tuple[torch.Tensor, object]:
+    from transformers import AutoTokenizer
+
+    from ..data.calib import calibration_chunks
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source_dir))
+    ids = calibration_chunks(tokenizer, options.calib, options.calib_samples, options.calib_seq_len, options.seed)
+    return ids, tokenizer
+
+
+def stage_perplexities(source_dir: Path, config, stage_layers: dict[str, list[MLALayer]], ids: torch.Tensor,
+                       windows: int = 8, seq_len: int = 512, progress: bool = False) -> dict[str, float]:
+    """Perplexity of the partial models (every layer at that stage) on `windows` windows."""
+    from ..eval.perplexity import perplexity
+    from .calibrate import assemble_model
+
+    out = {}
+    for name, layers in stage_layers.items():
+        model = assemble_model(source_dir, config, layers, {"name": f"transmla-{name}"})
+        out[name] = perplexity(model, ids, seq_len=seq_len, max_windows=windows, progress=progress).perplexity
+        del model
+    return out
+
+
+def transmla_layers(source_dir: Path, config, options: ConvertOptions, progress: bool = True):
+    """--method transmla: (iterator of MLALayer in layer order, meta)."""
+    from .calibrate import calibrated_layers
+
+    geo = attention_geometry(config)
+    plan = plan_from_options(options, config)
+    propagate = options.propagate or DEFAULT_PROPAGATE
+    device = options.resolved_device()
+    ids, tokenizer = _calibration_ids(source_dir, options)
+    per_layer: list[dict] = []
+    meta = {
+        "name": "transmla",
+        "kv_lora_rank": plan.kv_lora_rank,
+        "rope_dim": plan.rope_dim,
+        "plan": plan.to_dict(),
+        "propagate": propagate,
+        "calibration": {"text": options.calib, "samples": options.calib_samples, "seq_len": options.calib_seq_len,
+                        "seed": options.seed, "tokens": int(ids.numel())},
+        "layers": per_layer,  # filled while converting (shared with the written config)
+    }
+    want_stages = options.eval_data is not None
+    stage_layers: dict[str, list[MLALayer]] = {"rorope": [], "freqfold": [], "bkv_pca": []}
+
+    def convert(i: int, src: SourceAttention, stats) -> MLALayer:
+        out = convert_layer(src, stats.gram, plan, stages=want_stages)
+        per_layer.append({k: v for k, v in out[1].items() if k != "logit_error_by_fold"})
+        if want_stages:
+            for name, layer in out[2].items():
+                stage_layers[name].append(layer)
+        return out[0]
+
+    def layers() -> Iterator[MLALayer]:
+        start = time.perf_counter()
+        yield from calibrated_layers(source_dir, config, ids, convert, propagate=propagate, device=device, progress=progress)
+        seconds = time.perf_counter() - start
+        if want_stages:
+            from ..data.texts import load_text
+            from ..eval.perplexity import tokenize_text
+
+            eval_ids = tokenize_text(tokenizer, load_text(options.eval_data, part="eval"))
+            ppl = stage_perplexities(source_dir, config, stage_layers, eval_ids, progress=progress)
+            for name, value in ppl.items():
+                stderr_console.print(f"[bold]{name}[/] perplexity on {options.eval_data} (8 x 512 tokens): {value:.2f}")
+            meta["stage_perplexity"] = ppl
+        print_kv_summary(geo, plan, per_layer, seconds)
+
+    return layers(), meta
+
+
+def print_kv_summary(geo, plan: TransMLAPlan, per_layer: list[dict], seconds: float | None = None) -> None:
+    src = geo.kv_elements_per_token_per_layer
+    new = plan.kv_lora_rank + plan.rope_dim
+    folds = sorted({p["freqfold"] for p in per_layer})
+    err = sum(p["logit_error"] for p in per_layer) / max(len(per_layer), 1)
+    energy = sum(p["pca_energy_kept"] for p in per_layer) / max(len(per_layer), 1)
+    stderr_console.print(
+        f"[bold]KV cache[/]: {src} -> {new} elements per token per layer "
+        f"({new / src:.1%}; latent {plan.kv_lora_rank} + rope {plan.rope_dim}); "
+        f"{src * geo.num_layers * 2:,} -> {new * geo.num_layers * 2:,} bytes per token in bf16 over {geo.num_layers} layers"
+    )
+    stderr_console.print(
+        f"freqfold per layer {folds}; mean relative logit error {err:.3g}; mean PCA energy kept {energy:.3f}"
+        + (f"; {seconds:.1f} s" if seconds is not None else "")
+    )
+
+
+__all__ = [
+    "DEFAULT_PROPAGATE",
+    "LayerMoments",
+    "TransMLAPlan",
+    "choose_rope",
+    "convert_layer",
+    "default_plan",
+    "plan_from_options",
+    "published_plan",
+    "resolve_shape",
+    "stage_perplexities",
+    "transmla_layers",
+]
+
