@@ -1,0 +1,115 @@
+"""Built-in texts, local files, dataset specs and calibration chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from transmla.data.calib import calibration_chunks
+from transmla.data.texts import TextSourceError, builtin_text, load_text
+
+
+@pytest.mark.parametrize("name", ["wiki", "lee"])
+def test_builtin_split(name):
+    calib, ev, whole = (builtin_text(name, p) for p in ("calib", "eval", "all"))
+    assert calib + ev == whole  # disjoint, contiguous, eval is the tail
+    assert len(calib) == int(0.8 * len(whole))
+    assert whole.endswith(ev) and not whole.startswith(ev)
+    assert load_text(name) == ev and load_text(name, part="calib") == calib
+
+
+def test_wiki_protocol():
+    whole = builtin_text("wiki", "all")
+    assert 2.5e6 <= len(whole.encode("utf-8")) <= 3.5e6
+    assert whole.startswith(" = ")
+    assert whole.count("\n = ") >= 50  # one heading per article, each after a blank line
+    assert "'''" not in whole and "''" not in whole  # bold / italic quotes removed
+    assert "{|" not in whole and "\n|" not in whole  # table markup lines removed
+    assert "#REDIRECT" not in whole
+
+
+def test_lee_text():
+    whole = builtin_text("lee", "all")
+    assert 3e5 <= len(whole) <= 4e5
+    assert whole.startswith("Hundreds of people")
+
+
+def test_builtin_cached():
+    assert builtin_text("wiki", "eval") is builtin_text("wiki", "eval")
+
+
+def test_bad_part():
+    with pytest.raises(ValueError, match="part"):
+        load_text("lee", part="test")
+
+
+def test_txt_file(tmp_path):
+    p = tmp_path / "doc.txt"
+    p.write_text("héllo\nworld\n", encoding="utf-8")
+    assert load_text(str(p)) == "héllo\nworld\n"
+    assert load_text(str(p), part="calib") == "héllo\nworld\n"  # whole file for any part
+
+
+def test_jsonl_file(tmp_path):
+    p = tmp_path / "docs.jsonl"
+    rows = [{"text": "first", "id": 1}, {"text": "second", "id": 2}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8")
+    assert load_text(str(p)) == "first\n\nsecond"
+    assert load_text(str(p), text_field="id") == "1\n\n2"
+    with pytest.raises(TextSourceError, match="'body'"):
+        load_text(str(p), text_field="body")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TextSourceError, match="no such file"):
+        load_text(str(tmp_path / "nope.txt"))
+    with pytest.raises(TextSourceError, match="no such file"):
+        load_text("./nope")
+
+
+def test_unknown_dataset_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(TextSourceError) as err:
+        load_text("surely-not-a-dataset-xyz:cfg:test")
+    assert time.perf_counter() - t0 < 30
+    msg = str(err.value)
+    assert "\n" not in msg and "could not fetch" in msg
+    assert "wiki" in msg and "lee" in msg and "local" in msg
+    with pytest.raises(TextSourceError, match="could not fetch"):
+        load_text("wikitext-2-raw-v1")
+
+
+class _CharTokenizer:
+    """One token per character (enough text for chunking tests without a vocabulary)."""
+
+    def __call__(self, text, add_special_tokens=True, verbose=True):
+        return {"input_ids": [ord(c) % 1000 for c in text]}
+
+
+def test_calibration_chunks(tmp_path):
+    tok = _CharTokenizer()
+    a = calibration_chunks(tok, "lee", n_samples=8, seq_len=64, seed=0)
+    b = calibration_chunks(tok, "lee", n_samples=8, seq_len=64, seed=0)
+    c = calibration_chunks(tok, "lee", n_samples=8, seq_len=64, seed=1)
+    assert a.shape == (8, 64) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # every chunk is an aligned slice of the calibration stream, in text order, no repeats
+    ids = torch.tensor(tok(load_text("lee", part="calib"))["input_ids"])
+    starts = []
+    for row in a:
+        hits = [i for i in range(0, ids.numel() - 63, 64) if torch.equal(ids[i : i + 64], row)]
+        assert hits
+        starts.append(hits[0])
+    assert starts == sorted(set(starts))
+
+
+def test_calibration_chunks_too_few(tmp_path):
+    p = tmp_path / "small.txt"
+    p.write_text("x" * 100, encoding="utf-8")
+    with pytest.raises(ValueError, match="has 3 chunks"):
+        calibration_chunks(_CharTokenizer(), str(p), n_samples=4, seq_len=32)
