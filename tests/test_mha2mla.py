@@ -390,3 +390,24 @@ def test_mha_copy_is_the_same_function(tiny_factory, tmp_path, family, bias):
         torch.testing.assert_close(_load(tmp_path / "mla")(ids).logits, ref, **TOL)
     with pytest.raises(FileExistsError):
         make_mha_copy(path, tmp_path / "mha")
+
+
+def test_mha_copy_with_a_fixed_selection_is_the_gqa_conversion(tiny_factory, tmp_path):
+    """Repeated rows span the same latent: MHA copy at rank R == GQA at rank R (the benchmark reuses this)."""
+    from transformers import AutoConfig
+
+    from transmla.convert.calibrate import assemble_model
+
+    model, path = tiny_factory("llama", bias=True)
+    mha = make_mha_copy(path, tmp_path / "mha")
+    calib = _ids(seed=3, batch=4, length=32)
+    ids = _ids(seed=4)
+    for svd, weighting in (("joint", "none"), ("split", "activation")):
+        logits = []
+        for p in (path, mha):
+            config = AutoConfig.from_pretrained(p)
+            opts = ConvertOptions(method="mha2mla", rope_pairs=2, kv_lora_rank=5, rope_select="low", svd=svd, svd_weighting=weighting)
+            layers, meta = mha2mla_layers(p, config, opts, progress=False, calib_ids=calib)
+            with torch.no_grad():
+                logits.append(assemble_model(p, config, list(layers), meta)(ids).logits)
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -62,16 +62,46 @@ def _factor(w: torch.Tensor, rank: int, gram: torch.Tensor | None) -> Factorizat
     return low_rank(w, rank, gram)
 
 
-def factor_latent(
+@dataclass
+class LatentSpectrum:
+    """Full-rank eigen-decompositions of the latent map's blocks; truncate() gives any rank cheaply."""
+
+    blocks: list[Factorization]  # joint: [W]; split: [W_k,nope, W_v] (every eigenvector, descending)
+    out_bias: torch.Tensor | None  # weight SVD: the exact bias; centred: the output mean; else None
+    center: bool
+
+    @property
+    def max_rank(self) -> int:
+        return sum(b.up.shape[1] for b in self.blocks)
+
+    def truncate(self, rank: int) -> LatentFactors:
+        if not 0 <= rank <= self.max_rank:
+            raise ValueError(f"rank {rank} does not fit a latent with {self.max_rank} dims")
+        if len(self.blocks) == 1:
+            f = self.blocks[0]
+            up, down, ranks = f.up[:, :rank], f.down[:rank], None  # [out, R], [R, in]
+        else:
+            fk, fv = self.blocks
+            r_k, r_v = share_rank(fk.energy, fv.energy, rank)
+            up = torch.block_diag(fk.up[:, :r_k], fv.up[:, :r_v])  # [out, R]
+            down = torch.cat((fk.down[:r_k], fv.down[:r_v]))  # [R, in]
+            ranks = (r_k, r_v)
+        out_bias = self.out_bias
+        if self.center:
+            # y_hat = U U^T (y - mu) + mu: the latent carries U^T y, the bias mu - U U^T mu.
+            out_bias = out_bias - up @ (up.T @ out_bias)
+        return LatentFactors(up=up, down=down, out_bias=out_bias, ranks=ranks)
+
+
+def latent_spectrum(
     w: torch.Tensor,
     bias: torch.Tensor | None,
     k_dims: int,
-    rank: int,
     mode: str = "joint",
     gram: torch.Tensor | None = None,
     center: bool = False,
-) -> LatentFactors:
-    """Rank-`rank` factorisation of the latent map c_full = W x + b. w [out, D], bias [out] or None.
+) -> LatentSpectrum:
+    """Decompose the latent map c_full = W x + b (w [out, D], bias [out] or None) once, for every rank.
 
     gram None: weight SVD of W (bias kept exactly as out_bias). gram [D+1, D+1] (the layer's
     calibration gram, constant last): activation-aware on [W | b].
@@ -80,6 +110,7 @@ def factor_latent(
         raise ValueError(f"unknown svd mode {mode!r}; choose one of {', '.join(SVD_MODES)}")
     out = w.shape[0]
     w = w.double()
+    center = center and gram is not None
     if gram is None:
         wa, cov, out_bias = w, None, (None if bias is None else bias.double())
     else:
@@ -91,21 +122,31 @@ def factor_latent(
         if center:
             mean = cov[:, -1]  # [D+1] E[[x; 1]] (the constant row of the gram)
             cov = cov - torch.outer(mean, mean)  # centred; the constant's row/col become 0
-            out_bias = wa @ mean  # [out] output mean, added back in full below
+            out_bias = wa @ mean  # [out] the output mean
     if mode == "joint":
-        f = _factor(wa, rank, cov)
-        up, down, ranks = f.up, f.down, None
+        blocks = [_factor(wa, out, cov)]
     else:
-        fk = _factor(wa[:k_dims], k_dims, cov)
-        fv = _factor(wa[k_dims:], out - k_dims, cov)
-        r_k, r_v = share_rank(fk.energy, fv.energy, rank)
-        up = torch.block_diag(fk.up[:, :r_k], fv.up[:, :r_v])  # [out, R]
-        down = torch.cat((fk.down[:r_k], fv.down[:r_v]))  # [R, in]
-        ranks = (r_k, r_v)
-    if center and gram is not None:
-        # y_hat = U U^T (y - mu) + mu: the latent carries U^T y, the bias mu - U U^T mu.
-        out_bias = out_bias - up @ (up.T @ out_bias)
-    return LatentFactors(up=up, down=down, out_bias=out_bias, ranks=ranks)
+        blocks = [_factor(wa[:k_dims], k_dims, cov), _factor(wa[k_dims:], out - k_dims, cov)]
+    return LatentSpectrum(blocks=blocks, out_bias=out_bias, center=center)
+
+
+def factor_latent(
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    k_dims: int,
+    rank: int,
+    mode: str = "joint",
+    gram: torch.Tensor | None = None,
+    center: bool = False,
+) -> LatentFactors:
+    """Rank-`rank` factorisation of the latent map (see latent_spectrum)."""
+    return latent_spectrum(w, bias, k_dims, mode, gram, center).truncate(rank)
+
+
+def split_latent(layer: MLALayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The uncompressed latent map of a partial-RoPE layer: (W [full, D], b [full] or None)."""
+    full = layer.kv_a_proj.shape[0] - 2 * layer.rope_inv_freq.numel()
+    return layer.kv_a_proj[:full], None if layer.kv_a_bias is None else layer.kv_a_bias[:full]
 
 
 def compress_latent(
@@ -120,15 +161,22 @@ def compress_latent(
 
     layer: kv_a rows [latent_full (k_dims of K_nope, then V) | rope key]; kv_b [H*(d_nope+d_v), latent_full].
     """
+    w, b = split_latent(layer)
+    f = factor_latent(w, b, k_dims, rank, mode, gram, center)
+    return apply_factors(layer, f), f
+
+
+def apply_factors(layer: MLALayer, f: LatentFactors) -> MLALayer:
+    """The layer with latent W ~= up @ down: kv_a latent rows = down, kv_b = kv_b @ up."""
     d_r = 2 * layer.rope_inv_freq.numel()
     full = layer.kv_a_proj.shape[0] - d_r
-    if layer.kv_b_proj.shape[1] != full:
+    if layer.kv_b_proj.shape[1] != full or f.up.shape[0] != full:
         raise ValueError("kv_b_proj does not match the latent of kv_a_proj")
+    rank = f.up.shape[1]
     w_lat, w_rope = layer.kv_a_proj[:full], layer.kv_a_proj[full:]  # [full, D], [d_r, D]
     b_lat = b_rope = None
     if layer.kv_a_bias is not None:
         b_lat, b_rope = layer.kv_a_bias[:full], layer.kv_a_bias[full:]
-    f = factor_latent(w_lat, b_lat, k_dims, rank, mode, gram, center)
     dtype = layer.kv_a_proj.dtype
     D = w_lat.shape[1]
     down_w = f.down[:, :D]  # [R, D]
@@ -142,11 +190,10 @@ def compress_latent(
     kv_b_bias = None if f.out_bias is None else kv_b @ f.out_bias  # [H*(d_nope+d_v)]
     if layer.kv_b_bias is not None:
         kv_b_bias = layer.kv_b_bias.double() if kv_b_bias is None else kv_b_bias + layer.kv_b_bias.double()
-    compressed = replace(
+    return replace(
         layer,
         kv_a_proj=torch.cat((down_w, w_rope.double())).to(dtype),  # [R + d_r, D]
         kv_a_bias=None if kv_a_bias is None else kv_a_bias.to(dtype),
         kv_b_proj=(kv_b @ f.up).to(dtype),  # [H*(d_nope+d_v), R]
         kv_b_bias=None if kv_b_bias is None else kv_b_bias.to(dtype),
     )
-    return compressed, f

@@ -1,0 +1,388 @@
+"""MHA2MLA, training-free, on the built-in SmolLM2-135M (GQA) and its MHA copy.
+
+    python eval/mha2mla_bench.py            # run (resumes: settings already in the JSON are skipped)
+    python eval/mha2mla_bench.py --report   # only rewrite the Markdown table and the plot
+
+Grid: selection {high, low, uniform, 2norm} x SVD {joint, split} x weighting {none, activation}
+at 50 / 25 / 12.5% of the source cache (384 elements per token per layer: 192 / 96 / 48), with
+P = 4 rope pairs per key head (the published d/16) and R = budget - g*2P.
+The MHA copy (key/value heads repeated, same function) is converted at the same absolute cache
+sizes; its rope part is 9 heads x 2P, so at 48 elements it keeps P = 1 pair per head.
+Protocol (ANCHORS.md): calibration 64 x 512 tokens of the wiki calibration part (seed 0);
+perplexity over non-overlapping 512-token windows of the evaluation parts: the first 32 of wiki,
+all 29 of lee (its evaluation part is 29 windows long).
+
+CPU economy: the calibration statistics are collected once (GQA model, "original" propagation)
+and reused for every setting. The MHA copy needs no calibration run of its own: its attention
+inputs are the GQA model's (same function, layer by layer), so the gram and the query pair norms
+are identical and key head h's pair norms are those of GQA key head h // 3. Each layer's SVDs are
+done once per (selection, svd, weighting) and truncated for the three budgets; models are
+assembled in memory. For the fixed selections (high/low/uniform) the MHA copy at rank R is the
+same function as the GQA model at rank R (its [W_k,nope; W_v] rows are the GQA rows repeated, so
+both the weight and the activation-weighted SVDs span the same latent); where the GQA grid already
+holds that R the result is reused (marked "same_as"), after one check that both agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "eval" / "results"
+JSON_PATH = RESULTS / "mha2mla_smollm2.json"
+MD_PATH = RESULTS / "mha2mla_smollm2.md"
+PNG_PATH = RESULTS / "mha2mla_smollm2.png"
+
+BUDGETS = (0.5, 0.25, 0.125)
+STRATEGIES = ("high", "low", "uniform", "2norm")
+SVDS = ("joint", "split")
+WEIGHTINGS = ("none", "activation")
+SOURCE_ELEMENTS = 384
+TEXTS = {"wiki": 32, "lee": None}  # max windows (None: all)
+ANCHOR_MHA2MLA = {0.5: 853.0, 0.25: 5364.0, 0.125: 76568.0}  # public MHA2MLA S_high joint, wiki-test, 32 windows
+ANCHOR_MHA2MLA_2NORM = {0.5: 1545.0, 0.25: 12189.0, 0.125: 79107.0}
+ANCHOR_TRANSMLA = {0.5: 33.18, 0.25: 83.60, 0.125: 258.71}  # public TransMLA best at each budget
+ANCHOR_SOURCE = 18.15
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def key(model: str, budget: float, select: str, svd: str, weighting: str, pairs: int) -> str:
+    return f"{model}|{budget}|{select}|{svd}|{weighting}|P{pairs}"
+
+
+def load_results() -> dict:
+    if JSON_PATH.is_file():
+        return json.loads(JSON_PATH.read_text())
+    return {}
+
+
+def save_results(data: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tmp = JSON_PATH.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(JSON_PATH)
+
+
+def machine() -> dict:
+    import transformers
+
+    return {
+        "machine": f"{torch.get_num_threads()}-thread CPU ({platform.processor() or platform.machine()}), shared with other jobs",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def pairs_for(model: str, budget: float) -> int:
+    return 1 if model == "mha" and budget == 0.125 else 4
+
+
+def main_run(args) -> None:
+    import transmla  # noqa: F401
+    from transformers import AutoTokenizer
+
+    from transmla.checkpoint.resolve import cache_root, load_config, load_model, resolve_model_dir
+    from transmla.convert.calibrate import LayerStats, assemble_model, collect_layer_stats
+    from transmla.convert.mha2mla_budget import mha2mla_budget
+    from transmla.convert.mha_copy import make_mha_copy
+    from transmla.convert.partial_rope import key_latent_dims, partial_rope, select_pairs
+    from transmla.convert.pipeline import source_layers
+    from transmla.convert.replicate import replicate
+    from transmla.convert.svd import apply_factors, latent_spectrum, split_latent
+    from transmla.data.calib import calibration_chunks
+    from transmla.data.texts import load_text
+    from transmla.eval.perplexity import perplexity, tokenize_text
+    from transmla.families import attention_geometry
+
+    torch.set_num_threads(args.threads)
+    data = load_results()
+    data.setdefault("settings", {})
+    data["meta"] = {
+        **machine(),
+        "model": "smollm2-135m (SmolLM2-135M-Instruct, built-in GGUF dequantized, fp32)",
+        "protocol": "calibration: 64 x 512 tokens of wiki calib part, seed 0; perplexity: non-overlapping 512-token "
+        "windows, wiki eval part first 32 (16,352 tokens), lee eval part all 29 (14,819 tokens); training-free",
+        "source_kv_elements_per_token_per_layer": SOURCE_ELEMENTS,
+    }
+    gqa_dir = resolve_model_dir("smollm2-135m")
+    mha_dir = cache_root() / "smollm2-135m-mha"
+    if not (mha_dir / "config.json").is_file():
+        log(f"writing the MHA copy to {mha_dir}")
+        make_mha_copy(gqa_dir, mha_dir, force=True)
+    tok = AutoTokenizer.from_pretrained(gqa_dir)
+    eval_ids = {name: tokenize_text(tok, load_text(name, part="eval")) for name in TEXTS}
+
+    def evaluate(model) -> dict:
+        out = {}
+        for name, windows in TEXTS.items():
+            t = time.time()
+            r = perplexity(model, eval_ids[name], seq_len=512, max_windows=windows, progress=False)
+            out[name] = {"perplexity": r.perplexity, "tokens": r.tokens, "windows": r.windows, "seconds": round(time.time() - t, 1)}
+        return out
+
+    if "source" not in data:
+        model, _ = load_model(gqa_dir)
+        data["source"] = evaluate(model)
+        save_results(data)
+        log(f"source: {data['source']}")
+        del model
+    if "mha_copy_check" not in data:
+        a, _ = load_model(gqa_dir)
+        b, _ = load_model(mha_dir)
+        ids = eval_ids["wiki"][:512][None]
+        with torch.inference_mode():
+            diff = (a(ids).logits - b(ids).logits).abs().max().item()
+        data["mha_copy_check"] = {"max_abs_logit_diff_first_window": diff, "kv_heads": b.config.num_key_value_heads}
+        save_results(data)
+        log(f"MHA copy check: {data['mha_copy_check']}")
+        del a, b
+
+    stats_path = cache_root() / "bench" / "mha2mla_stats_smollm2.pt"
+    config = load_config(gqa_dir)
+    if stats_path.is_file():
+        stats = torch.load(stats_path)
+        stats = [LayerStats(**s) for s in stats]
+    else:
+        calib = calibration_chunks(tok, "wiki", 64, 512, 0)
+        t = time.time()
+        stats = collect_layer_stats(gqa_dir, config, calib, pair_norms=True, progress=False)
+        data["calibration_seconds"] = round(time.time() - t, 1)
+        stats_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save([s.__dict__ for s in stats], stats_path)
+        save_results(data)
+        log(f"calibration statistics collected in {data['calibration_seconds']} s")
+    group = attention_geometry(config).group_size
+    # MHA copy: same attention inputs, same queries; key head h is GQA key head h // n.
+    mha_stats = [replace(s, k_pair_norm=s.k_pair_norm.repeat_interleave(group, dim=0)) for s in stats]
+
+    models = {"gqa": (gqa_dir, stats), "mha": (mha_dir, mha_stats)}
+    for model_name in args.models:
+        src_dir, layer_stats = models[model_name]
+        cfg = load_config(src_dir)
+        geo = attention_geometry(cfg)
+        sources = list(source_layers(src_dir, cfg))
+        for select in args.strategies:
+            for svd in SVDS:
+                for weighting in WEIGHTINGS:
+                    todo = []
+                    for budget in BUDGETS:
+                        P = pairs_for(model_name, budget)
+                        k = key(model_name, budget, select, svd, weighting, P)
+                        if k in data["settings"]:
+                            continue
+                        R = mha2mla_budget(SOURCE_ELEMENTS, budget, geo.num_kv_heads, P)
+                        same = twin(data, model_name, select, svd, weighting, P, R)
+                        if same is not None and data.get("same_function_check", {}).get("verified"):
+                            data["settings"][k] = {**data["settings"][same], "model": model_name, "budget": budget, "same_as": same}
+                            save_results(data)
+                            log(f"{k}: same function as {same}, reused")
+                            continue
+                        todo.append((budget, P, R, k))
+                    if not todo:
+                        continue
+                    t0 = time.time()
+                    by_pairs: dict[int, list] = {}
+                    for budget, P, R, k in todo:
+                        by_pairs.setdefault(P, []).append((budget, R, k))
+                    built = {}
+                    for P, items in by_pairs.items():
+                        layers = {k: [] for _, _, k in items}
+                        pair_info = []
+                        for src, st in zip(sources, layer_stats):
+                            pairs = select_pairs(select, geo.num_kv_heads, geo.head_dim, P, st.q_pair_norm, st.k_pair_norm)
+                            pair_info.append(pairs.tolist())
+                            layer = partial_rope(replicate(src), pairs, geo.num_heads, geo.head_dim)
+                            w, b = split_latent(layer)
+                            spec = latent_spectrum(
+                                w, b, key_latent_dims(geo.num_kv_heads, geo.head_dim, P), svd,
+                                st.gram if weighting == "activation" else None,
+                            )
+                            for budget, R, k in items:
+                                f = spec.truncate(R)
+                                layers[k].append((apply_factors(layer, f), f.ranks))
+                        for budget, R, k in items:
+                            built[k] = (budget, P, R, layers[k], pair_info)
+                    convert_s = round(time.time() - t0, 1)
+                    for k, (budget, P, R, layer_list, pair_info) in built.items():
+                        model = assemble_model(src_dir, cfg, [l for l, _ in layer_list], {"name": "mha2mla"})
+                        t = time.time()
+                        res = evaluate(model)
+                        del model
+                        entry = {
+                            "model": model_name, "budget": budget, "select": select, "svd": svd, "weighting": weighting,
+                            "rope_pairs": P, "kv_lora_rank": R, "kv_elements": R + geo.num_kv_heads * 2 * P,
+                            "convert_seconds_all_budgets": convert_s, "eval_seconds": round(time.time() - t, 1), **res,
+                        }
+                        if svd == "split":
+                            entry["rank_k_per_layer"] = [r[0] for _, r in layer_list]
+                        if select == "2norm" and model_name == "gqa":
+                            entry["pairs_per_layer"] = pair_info
+                        data["settings"][k] = entry
+                        same = twin(data, model_name, select, svd, weighting, P, R)
+                        if same is not None and "same_function_check" not in data:
+                            a, b = data["settings"][same]["wiki"]["perplexity"], res["wiki"]["perplexity"]
+                            data["same_function_check"] = {"mha": k, "gqa": same, "wiki": [a, b], "verified": abs(a - b) <= 1e-3 * a}
+                            log(f"same-function check: {data['same_function_check']}")
+                        save_results(data)
+                        log(f"{k}: wiki {res['wiki']['perplexity']:.2f} lee {res['lee']['perplexity']:.2f}")
+                    write_report(data)
+    write_report(data)
+
+
+def twin(data: dict, model: str, select: str, svd: str, weighting: str, P: int, R: int) -> str | None:
+    """For the MHA copy with a fixed selection: the GQA result with the same P and R (the same function)."""
+    if model != "mha" or select == "2norm":
+        return None
+    for k, v in data["settings"].items():
+        if v.get("model") == "gqa" and not v.get("same_as") and (
+            v["select"], v["svd"], v["weighting"], v["rope_pairs"], v["kv_lora_rank"]
+        ) == (select, svd, weighting, P, R):
+            return k
+    return None
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def transmla_results() -> dict:
+    """TransMLA (our method) at the same budgets, from eval/results/transmla_*.json when present."""
+    out = {}
+    for path in sorted(RESULTS.glob("transmla_*.json")):
+        try:
+            out[path.name] = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+    own = RESULTS / "mha2mla_transmla_baseline.json"
+    if own.is_file():
+        out[own.name] = json.loads(own.read_text())
+    return out
+
+
+def fmt(x) -> str:
+    if x is None:
+        return "–"
+    if not math.isfinite(x):
+        return "inf"
+    return f"{x:.1f}" if x < 1e4 else f"{x:.3g}"
+
+
+def write_report(data: dict) -> None:
+    settings = data.get("settings", {})
+    src = data.get("source", {})
+    lines = ["# MHA2MLA on SmolLM2-135M, training-free", ""]
+    meta = data.get("meta", {})
+    lines += [
+        f"Machine: {meta.get('machine', '?')}; torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}. "
+        f"Protocol: {meta.get('protocol', '')}.",
+        "",
+        f"Source model: wiki {fmt(src.get('wiki', {}).get('perplexity'))}, lee {fmt(src.get('lee', {}).get('perplexity'))} "
+        f"(384 cached elements per token per layer).",
+        "",
+    ]
+    for model, title in (("gqa", "SmolLM2-135M (GQA, 3 key heads)"), ("mha", "MHA copy (9 key heads, same function)")):
+        rows = [v for v in settings.values() if v.get("model") == model]
+        if not rows:
+            continue
+        lines += [f"## {title}", "", "wiki / lee perplexity; cache = R + g*2P elements per token per layer.", ""]
+        head = "| selection | svd | weighting |"
+        sep = "|---|---|---|"
+        for b in BUDGETS:
+            P = pairs_for(model, b)
+            R = round(SOURCE_ELEMENTS * b) - (3 if model == "gqa" else 9) * 2 * P
+            head += f" {int(SOURCE_ELEMENTS * b)} ({R} + {(3 if model == 'gqa' else 9) * 2 * P}) |"
+            sep += "---|"
+        lines += [head, sep]
+        for select in STRATEGIES:
+            for svd in SVDS:
+                for weighting in WEIGHTINGS:
+                    cells = []
+                    for b in BUDGETS:
+                        v = settings.get(key(model, b, select, svd, weighting, pairs_for(model, b)))
+                        cells.append("–" if v is None else f"{fmt(v['wiki']['perplexity'])} / {fmt(v['lee']['perplexity'])}" + (" ≡" if v.get("same_as") else ""))
+                    lines.append(f"| {select} | {svd} | {weighting} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Beside the public peers (wiki-test, 32 windows)", ""]
+    lines += ["| cache | public MHA2MLA S_high joint | public MHA2MLA 2-norm | ours: high joint none | ours: best MHA2MLA setting | public TransMLA |", "|---|---|---|---|---|---|"]
+    for b in BUDGETS:
+        ours = settings.get(key("gqa", b, "high", "joint", "none", 4))
+        cands = [v for v in settings.values() if v.get("model") == "gqa" and v["budget"] == b]
+        best = min(cands, key=lambda v: v["wiki"]["perplexity"]) if cands else None
+        best_s = "–" if best is None else f"{fmt(best['wiki']['perplexity'])} ({best['select']}, {best['svd']}, {best['weighting']})"
+        lines.append(
+            f"| {int(SOURCE_ELEMENTS * b)} | {fmt(ANCHOR_MHA2MLA[b])} | {fmt(ANCHOR_MHA2MLA_2NORM[b])} | "
+            f"{fmt(None if ours is None else ours['wiki']['perplexity'])} | {best_s} | {fmt(ANCHOR_TRANSMLA[b])} |"
+        )
+    lines.append("")
+    MD_PATH.write_text("\n".join(lines) + "\n")
+    plot(data)
+
+
+def plot(data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = data.get("settings", {})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    xs = [SOURCE_ELEMENTS * b for b in BUDGETS]
+    for ax, model in zip(axes, ("gqa", "mha")):
+        for select in STRATEGIES:
+            for svd in SVDS:
+                for weighting in WEIGHTINGS:
+                    ys = [settings.get(key(model, b, select, svd, weighting, pairs_for(model, b)), {}).get("wiki", {}).get("perplexity") for b in BUDGETS]
+                    if all(y is None for y in ys):
+                        continue
+                    style = "-" if weighting == "activation" else ":"
+                    marker = "o" if svd == "joint" else "s"
+                    ax.plot(xs, [y if y is not None else float("nan") for y in ys], style, marker=marker, label=f"{select}/{svd}/{weighting}", alpha=0.8)
+        ax.plot(xs, [ANCHOR_MHA2MLA[b] for b in BUDGETS], "k--", label="public MHA2MLA S_high joint")
+        ax.plot(xs, [ANCHOR_TRANSMLA[b] for b in BUDGETS], "k-.", label="public TransMLA")
+        src = data.get("source", {}).get("wiki", {}).get("perplexity")
+        if src:
+            ax.axhline(src, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [f"{int(x)}" for x in xs])
+        ax.set_xlabel("cached elements per token per layer")
+        ax.set_title("SmolLM2-135M (GQA)" if model == "gqa" else "its MHA copy")
+    axes[0].set_ylabel("wiki-test perplexity (training-free)")
+    axes[1].legend(fontsize=6, ncol=2, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(PNG_PATH, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--report", action="store_true", help="only rewrite the Markdown and the plot")
+    parser.add_argument("--models", default="gqa,mha")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.models = args.models.split(",")
+    args.strategies = args.strategies.split(",")
+    if args.report:
+        write_report(load_results())
+    else:
+        main_run(args)
+
+
+if __name__ == "__main__":
+    main()
