@@ -145,14 +145,20 @@ def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tu
     return best, {c.fold: c.logit_error for c in choices}
 
 
-def convert_layer(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan, stages: bool = False):
+def convert_layer(
+    src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan, stages: bool = False,
+    rope_gram: torch.Tensor | None = None,
+):
     """One source layer -> (MLA layer, info dict[, {stage: MLALayer} when stages]).
 
+    gram: E[[x;1][x;1]^T] of the layer's input. rope_gram: a different gram for the RoRoPE step
+    (the published code calibrates RoRoPE on the original model and the PCA on the partial-RoPE
+    model); default: the same.
     Stages (for --eval-data): "rorope" (smallest usable fold, full-rank latent), "freqfold" (the
     chosen fold, full-rank latent) and "bkv_pca" (the result).
     """
     geo = src.geometry
-    m = LayerMoments.of(src, gram)
+    m = LayerMoments.of(src, gram if rope_gram is None else rope_gram)
     choice, tried = choose_rope(src, m, plan)
     wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
     partial = split_rope(wq, wk, geo.num_heads, choice.rotation, choice.kept, choice.inv_freq, choice.nope_scale)
@@ -255,15 +261,27 @@ def stage_perplexities(source_dir: Path, config, stage_layers: dict[str, list[ML
     return out
 
 
-def transmla_layers(source_dir: Path, config, options: ConvertOptions, progress: bool = True):
-    """--method transmla: (iterator of MLALayer in layer order, meta)."""
+def transmla_layers(
+    source_dir: Path, config, options: ConvertOptions, progress: bool = True, *,
+    calib_ids: torch.Tensor | None = None, plan: TransMLAPlan | None = None,
+):
+    """--method transmla: (iterator of MLALayer in layer order, meta); meta["layers"] fills as
+    the layers come.
+
+    calib_ids [N, T] replaces the calibration text of the options, and `plan` the plan derived
+    from them (tests, benchmarks).
+    """
     from .calibrate import calibrated_layers
 
     geo = attention_geometry(config)
-    plan = plan_from_options(options, config)
+    plan = plan or plan_from_options(options, config)
     propagate = options.propagate or DEFAULT_PROPAGATE
     device = options.resolved_device()
-    ids, tokenizer = _calibration_ids(source_dir, options)
+    tokenizer = None
+    if calib_ids is None:
+        ids, tokenizer = _calibration_ids(source_dir, options)
+    else:
+        ids = calib_ids
     per_layer: list[dict] = []
     meta = {
         "name": "transmla",
@@ -271,8 +289,11 @@ def transmla_layers(source_dir: Path, config, options: ConvertOptions, progress:
         "rope_dim": plan.rope_dim,
         "plan": plan.to_dict(),
         "propagate": propagate,
-        "calibration": {"text": options.calib, "samples": options.calib_samples, "seq_len": options.calib_seq_len,
-                        "seed": options.seed, "tokens": int(ids.numel())},
+        "calibration": (
+            {"text": options.calib, "samples": options.calib_samples, "seq_len": options.calib_seq_len,
+             "seed": options.seed, "tokens": int(ids.numel())}
+            if calib_ids is None else {"ids": list(ids.shape), "tokens": int(ids.numel())}
+        ),
         "layers": per_layer,  # filled while converting (shared with the written config)
     }
     want_stages = options.eval_data is not None
@@ -291,10 +312,13 @@ def transmla_layers(source_dir: Path, config, options: ConvertOptions, progress:
         yield from calibrated_layers(source_dir, config, ids, convert, propagate=propagate, device=device, progress=progress)
         seconds = time.perf_counter() - start
         if want_stages:
+            from transformers import AutoTokenizer
+
             from ..data.texts import load_text
             from ..eval.perplexity import tokenize_text
 
-            eval_ids = tokenize_text(tokenizer, load_text(options.eval_data, part="eval"))
+            tok = tokenizer or AutoTokenizer.from_pretrained(str(source_dir))
+            eval_ids = tokenize_text(tok, load_text(options.eval_data, part="eval"))
             ppl = stage_perplexities(source_dir, config, stage_layers, eval_ids, progress=progress)
             for name, value in ppl.items():
                 stderr_console.print(f"[bold]{name}[/] perplexity on {options.eval_data} (8 x 512 tokens): {value:.2f}")

@@ -1,0 +1,318 @@
+"""TransMLA: RoRoPE, FreqFold, BKV-PCA, the layer-by-layer method and its validation.
+
+Exactness ladder: every key dim kept as rope reproduces the source (fp32 ~1e-5); with components
+dropped, the layer equals an independent partial-RoPE attention written from the definition; the
+joint PCA at full rank equals that partial-RoPE layer. Every family goes through real files.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import transmla  # noqa: F401  (registers the MLA models)
+from transmla.convert.bkv import augmented, bkv_alpha, joint_pca
+from transmla.convert.budget import transmla_budget, validate_transmla_shape
+from transmla.convert.calibrate import _mla_attention, assemble_model, collect_layer_stats
+from transmla.convert.options import ConvertOptions
+from transmla.convert.pipeline import source_layers, write_mla_checkpoint
+from transmla.convert.rope import (
+    fold_candidates,
+    kept_frequencies,
+    logit_error,
+    pair_second_moment,
+    rorope,
+    select_components,
+)
+from transmla.convert.transmla_method import (
+    LayerMoments,
+    TransMLAPlan,
+    choose_rope,
+    convert_layer,
+    plan_from_options,
+    published_plan,
+    stage_perplexities,
+    transmla_layers,
+)
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+FAMILIES = [("llama", {}), ("qwen2", {"bias": True}), ("mistral", {}), ("mixtral", {})]
+G, D_HEAD, H = 2, 8, 6  # the tiny models: 2 KV heads, head_dim 8, 6 query heads (conftest.TINY)
+
+
+def _ids(seed=0, batch=2, length=24, vocab=97):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _convert_files(path, out, plan, propagate="original"):
+    """The production path: read the source from disk, calibrate layer by layer, write, reload."""
+    config = AutoConfig.from_pretrained(path)
+    options = ConvertOptions(method="transmla", propagate=propagate, device="cpu")
+    layers, meta = transmla_layers(path, config, options, progress=False, calib_ids=_ids(1, 4, 32), plan=plan)
+    result = write_mla_checkpoint(path, config, out, layers, meta, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return model, result, meta
+
+
+def _stats(path):
+    config = AutoConfig.from_pretrained(path)
+    return config, list(source_layers(path, config)), collect_layer_stats(path, config, _ids(1, 4, 32), progress=False)
+
+
+# -- exactness through real files -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,kw", FAMILIES, ids=[f for f, _ in FAMILIES])
+def test_rorope_every_dim_rope_equals_source(tiny_factory, tmp_path, family, kw):
+    """RoRoPE rotates the key pairs across heads, the same rotation on the queries: with every
+    component kept as rope and the values as the latent, the logits are the source's."""
+    source, path = tiny_factory(family, **kw)
+    plan = TransMLAPlan(kv_lora_rank=G * D_HEAD, rope_dim=G * D_HEAD, freqfold=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache does not shrink here, by design
+        model, result, meta = _convert_files(path, tmp_path / "out", plan)
+    x = _ids(2)
+    torch.testing.assert_close(model(x).logits, source(x).logits, **TOL)
+    assert result.kv_elements_per_token_per_layer == 2 * G * D_HEAD
+    assert len(meta["layers"]) == 2 and all(info["freqfold"] == 1 for info in meta["layers"])
+    # it really is a rotation, not the replicated identity layout
+    rope_rows = model.model.layers[0].self_attn.kv_a_proj.weight[G * D_HEAD :]
+    assert not torch.allclose(rope_rows.abs().sum(1).sort().values, source.model.layers[0].self_attn.k_proj.weight.abs().sum(1).sort().values)
+
+
+@pytest.mark.parametrize("family,kw", FAMILIES, ids=[f for f, _ in FAMILIES])
+def test_lossy_conversion_loads_and_shrinks(tiny_factory, tmp_path, family, kw):
+    """A compressed conversion through files: the loaded model equals the in-memory one and the cache is R + r."""
+    source, path = tiny_factory(family, **kw)
+    plan = TransMLAPlan(kv_lora_rank=6, rope_dim=4, freqfold="auto", centre=True)
+    model, result, meta = _convert_files(path, tmp_path / "out", plan, propagate="converted")
+    assert result.kv_elements_per_token_per_layer == 10 and result.mla["qk_nope_head_dim"] == D_HEAD
+    assert {info["freqfold"] for info in meta["layers"]} <= set(fold_candidates(D_HEAD, 2, "uniform"))
+    x = _ids(3)
+    logits = model(x).logits
+    assert torch.isfinite(logits).all()
+    assert (logits - source(x).logits).abs().max() > 1e-4  # lossy, as it should be
+    # absorbed decode over the latent cache agrees with the full forward
+    out = model(x[:, :-1], use_cache=True)
+    step = model(x[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step[:, -1], logits[:, -1], atol=1e-4, rtol=1e-4)
+
+
+# -- the partial-RoPE layer against the definition ------------------------------------------------
+
+
+def reference_partial_rope(src, x, rotation, kept, freqs):
+    """Attention where key/query pairs are rotated per fold group by the rotation's bases, the
+    kept components rotate with their assigned frequency and the others carry no RoPE. x [1, T, D]."""
+    geo = src.geometry
+    g, d, n, f = geo.num_kv_heads, geo.head_dim, geo.group_size, rotation.fold
+    half, T = d // 2, x.shape[1]
+    x = x[0].double()
+    lin = lambda w, b: x @ w.double().T + (0 if b is None else b.double())  # noqa: E731
+    q = lin(src.wq, src.bq).view(T, geo.num_heads, d)
+    k = lin(src.wk, src.bk).view(T, g, d)
+    v = lin(src.wv, src.bv).view(T, g, d)
+    qc = torch.complex(q[..., :half], q[..., half:])  # [T, H, d/2]
+    kc = torch.complex(k[..., :half], k[..., half:])  # [T, g, d/2]
+    omega = dict(zip(kept.tolist(), freqs.double().tolist()))
+    pos = torch.arange(T, dtype=torch.float64)
+    delta = pos[:, None] - pos[None, :]  # [T, T]
+    scores = torch.zeros(geo.num_heads, T, T, dtype=torch.float64)
+    w = rotation.group_width
+    for a in range(rotation.num_groups):
+        u = rotation.basis[a].to(torch.complex128)  # [gF rows (j, k), gF components]
+        k_grp = kc[:, :, a * f : (a + 1) * f].reshape(T, g * f)  # (j, k) order
+        k_rot = k_grp @ u  # [T, gF] components z'_c = sum u[(j,k), c] z_(j,k)
+        for h in range(geo.num_heads):
+            j = h // n
+            q_grp = torch.zeros(T, g * f, dtype=torch.complex128)
+            q_grp[:, j * f : (j + 1) * f] = qc[:, h, a * f : (a + 1) * f]  # slot-placed
+            q_rot = q_grp @ u
+            for c in range(w):
+                m = a * w + c
+                phase = torch.exp(1j * omega[m] * delta) if m in omega else torch.ones_like(delta)
+                scores[h] += (q_rot[:, c, None] * k_rot[None, :, c].conj() * phase).real
+    scores = scores / math.sqrt(d)
+    scores = scores.masked_fill(delta[None] < 0, float("-inf"))
+    p = scores.softmax(-1)  # [H, T, T]
+    out = torch.stack([p[h] @ v[:, h // n] for h in range(geo.num_heads)], dim=1)  # [T, H, d]
+    o = out.reshape(T, -1) @ src.wo.double().T
+    return o + (0 if src.bo is None else src.bo.double())
+
+
+@pytest.mark.parametrize("fold,rope_dim,selection,family", [
+    (1, 8, "uniform", "llama"), (2, 4, "uniform", "qwen2"), (1, 6, "score", "qwen2"), (4, 4, "score", "llama"),
+])
+def test_partial_rope_layer_matches_definition(tiny_factory, fold, rope_dim, selection, family):
+    _, path = tiny_factory(family, bias=family == "qwen2")
+    config, srcs, stats = _stats(path)
+    src, gram = srcs[1], stats[1].gram
+    plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - rope_dim, rope_dim=rope_dim, freqfold=fold, selection=selection)
+    choice, _ = choose_rope(src, LayerMoments.of(src, gram), plan)
+    _, _, staged = convert_layer(src, gram, plan, stages=True)
+    attn = _mla_attention(config, staged["freqfold"], "cpu")
+    x = torch.randn(1, 12, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    ours = attn(x, position_ids=torch.arange(12)[None])[0][0].double()
+    ref = reference_partial_rope(src, x, choice.rotation, choice.kept, choice.inv_freq)
+    torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_joint_pca_full_rank_equals_partial_rope(tiny_factory):
+    """BKV balance + joint PCA at R = 2*g*d - r (uncentred and centred) is the partial-RoPE model."""
+    _, path = tiny_factory("qwen2", bias=True)
+    config, srcs, stats = _stats(path)
+    x = _ids(5)
+    for centre in (False, True):
+        plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=2, centre=centre)
+        final, partial = [], []
+        for src, st in zip(srcs, stats):
+            layer, info, staged = convert_layer(src, st.gram, plan, stages=True)
+            final.append(layer)
+            partial.append(staged["freqfold"])
+            assert info["pca_energy_kept"] == pytest.approx(1.0)
+        a = assemble_model(path, config, final)(x).logits
+        b = assemble_model(path, config, partial)(x).logits
+        torch.testing.assert_close(a, b, **TOL)
+    lossy = TransMLAPlan(kv_lora_rank=5, rope_dim=4, freqfold=2)
+    c = assemble_model(path, config, [convert_layer(s, st.gram, lossy)[0] for s, st in zip(srcs, stats)])(x).logits
+    assert (c - b).abs().max() > 1e-3
+
+
+def test_bkv_balances_column_norms(tiny_factory):
+    _, path = tiny_factory("llama")
+    _, srcs, stats = _stats(path)
+    src, gram = srcs[0], stats[0].gram
+    k = augmented(src.wk, src.bk) * 7.0  # a key much larger than the value
+    v = augmented(src.wv, src.bv)
+    alpha = bkv_alpha(k, v, gram)
+    col = lambda w: torch.einsum("od,de,oe->o", w, gram, w).sqrt().mean()  # noqa: E731
+    assert col(k / alpha) == pytest.approx(float(col(v)), rel=1e-9)
+    pca = joint_pca(k, v, gram, rank=5)
+    assert pca.alpha == pytest.approx(alpha) and pca.up_k.shape == (G * D_HEAD, 5) and pca.down.shape == (5, 49)
+
+
+def test_low_rank_query(tiny_factory):
+    """--q-lora-rank: exact at full input rank, a smaller rank loads and runs."""
+    _, path = tiny_factory("qwen2", bias=True)
+    config, srcs, stats = _stats(path)
+    x = _ids(6)
+    base = TransMLAPlan(kv_lora_rank=12, rope_dim=4, freqfold=2)
+    models = {}
+    for q in (None, config.hidden_size, 7):
+        plan = TransMLAPlan(kv_lora_rank=12, rope_dim=4, freqfold=2, q_lora_rank=q)
+        layers = [convert_layer(s, st.gram, plan)[0] for s, st in zip(srcs, stats)]
+        models[q] = assemble_model(path, config, layers)(x).logits
+        if q is not None:
+            assert layers[0].q_a_proj.shape == (q, config.hidden_size) and layers[0].q_bias is not None
+    torch.testing.assert_close(models[config.hidden_size], models[None], atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(models[7]).all() and base.q_lora_rank is None
+
+
+# -- RoRoPE / FreqFold pieces ---------------------------------------------------------------------
+
+
+def test_rorope_basis_and_selection():
+    torch.manual_seed(0)
+    a = torch.randn(G * D_HEAD, 64, dtype=torch.float64)
+    moment = a @ a.T / 64
+    pairs = pair_second_moment(moment, G, D_HEAD)
+    for fold in (1, 2, 4):
+        rot = rorope(pairs, G, D_HEAD, fold)
+        t = rot.matrix()
+        torch.testing.assert_close(t @ t.T, torch.eye(G * D_HEAD // 2, dtype=torch.float64))
+        assert (rot.energy[:, :-1] >= rot.energy[:, 1:]).all()  # descending per group
+        torch.testing.assert_close(torch.diagonal(t @ pairs @ t.T), rot.energy.reshape(-1))
+        kept = select_components(rot, 4, "uniform")
+        assert kept.numel() == 4 and (kept % rot.group_width < 4 // rot.num_groups).all()
+    rot = rorope(pairs, G, D_HEAD, 4)  # one group of 4 frequencies x 2 heads, keep 2: w_0 and w_2
+    inv = torch.tensor([1.0, 0.5, 0.25, 0.125])
+    torch.testing.assert_close(kept_frequencies(rot, torch.tensor([0, 1]), inv), torch.tensor([1.0, 0.25]))
+    with pytest.raises(ValueError, match="not a multiple"):
+        select_components(rorope(pairs, G, D_HEAD, 1), 3, "uniform")
+
+
+def test_logit_error_criterion(tiny_factory):
+    """Zero when every component stays rope at its own frequency; grows as components lose RoPE;
+    'auto' picks the fold with the least error."""
+    _, path = tiny_factory("llama")
+    _, srcs, stats = _stats(path)
+    src, gram = srcs[0], stats[0].gram
+    m = LayerMoments.of(src, gram)
+    rot = rorope(pair_second_moment(m.key, G, D_HEAD), G, D_HEAD, 1)
+    everything = torch.arange(G * D_HEAD // 2)
+    exact = logit_error(rot, everything, kept_frequencies(rot, everything, src.inv_freq), src.inv_freq, m.key, m.query)
+    assert abs(exact) < 1e-9
+    errs = []
+    for pairs in (8, 4, 0):
+        kept = select_components(rot, pairs, "score", torch.arange(8, 0, -1).double()) if pairs else everything[:0]
+        errs.append(logit_error(rot, kept, kept_frequencies(rot, kept, src.inv_freq), src.inv_freq, m.key, m.query))
+    assert errs[0] < errs[1] < errs[2]
+    choice, tried = choose_rope(src, m, TransMLAPlan(kv_lora_rank=8, rope_dim=4, freqfold="auto"))
+    assert set(tried) == {2, 4} and choice.logit_error == min(tried.values())
+
+
+def test_stage_perplexities(tiny_factory):
+    """--eval-data's stages: RoRoPE, FreqFold, BKV-PCA; at full rank the last two coincide."""
+    _, path = tiny_factory("llama")
+    config, srcs, stats = _stats(path)
+    plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=4)
+    staged = {}
+    for s, st in zip(srcs, stats):
+        for name, layer in convert_layer(s, st.gram, plan, stages=True)[2].items():
+            staged.setdefault(name, []).append(layer)
+    ppl = stage_perplexities(path, config, staged, _ids(7, 1, 64).reshape(-1), windows=2, seq_len=32)
+    assert set(ppl) == {"rorope", "freqfold", "bkv_pca"} and all(math.isfinite(v) for v in ppl.values())
+    assert ppl["bkv_pca"] == pytest.approx(ppl["freqfold"], rel=1e-5)
+
+
+# -- budget and validation ------------------------------------------------------------------------
+
+
+def test_budget_smollm2_published_shapes():
+    assert transmla_budget(384, 0.5, 64, 3) == (128, 64)
+    assert transmla_budget(384, 0.25, 64, 3) == (64, 32)
+    assert transmla_budget(384, 0.125, 64, 3) == (32, 16)
+    assert transmla_budget(2048, 576 / 2048, 128, 8) == (384, 192)
+
+
+def test_validation_errors_and_warning():
+    with pytest.raises(ValueError, match="whole rope pairs"):
+        validate_transmla_shape(32, 15, 64, 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        validate_transmla_shape(32, 194, 64, 3)
+    with pytest.raises(ValueError, match="larger than the 320"):
+        validate_transmla_shape(321, 64, 64, 3)
+    with pytest.raises(ValueError, match="positive"):
+        validate_transmla_shape(0, 64, 64, 3)
+    with pytest.raises(ValueError, match="positive fraction"):
+        transmla_budget(384, 0, 64, 3)
+    with pytest.warns(UserWarning, match="does not shrink"):
+        validate_transmla_shape(320, 64, 64, 3)
+    with pytest.warns(UserWarning, match="does not shrink"):
+        assert transmla_budget(384, 1.5, 64, 3) == (192, 192)
+
+
+def test_plan_from_options(tiny_factory):
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    opts = lambda **kw: ConvertOptions(method="transmla", **kw)  # noqa: E731
+    plan = plan_from_options(opts(kv_budget=0.5), config)
+    assert (plan.kv_lora_rank, plan.rope_dim) == (10, 6)
+    with pytest.raises(ValueError, match="either --kv-budget"):
+        plan_from_options(opts(kv_budget=0.5, kv_lora_rank=4), config)
+    with pytest.raises(ValueError, match="needs --kv-lora-rank"):
+        plan_from_options(opts(kv_lora_rank=4), config)
+    with pytest.raises(ValueError, match="integer or 'auto'"):
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="x"), config)
+    with pytest.raises(ValueError, match="must divide"):
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="3"), config)
+    with pytest.raises(ValueError, match="spread evenly"):
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="1"), config)
+    with pytest.raises(ValueError, match="q-lora-rank"):
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, q_lora_rank=0), config)
+    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="Auto"), config).freqfold == "auto"
+    assert published_plan(8, 4, 2).selection == "uniform"
