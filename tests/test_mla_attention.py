@@ -1,0 +1,107 @@
+"""MLAAttention: absorbed decode equals the expanded path; the latent cache holds d_c + d_r per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from transmla.mla.attention import MLAAttention
+from transmla.mla.cache import cache_elements
+from transmla.mla.config import MLAConfig
+from transmla.mla.model import build_mla_model, mla_config_for, set_decode_mode
+from transmla.convert.calibrate import assemble_model
+from transmla.convert.replicate import replicate
+from transmla.convert.pipeline import source_layers
+from transformers import AutoConfig
+
+
+def random_mla_config(bias: bool, q_lora: int | None = None, kv_norm: bool = False, d_r: int = 8) -> MLAConfig:
+    torch.manual_seed(0)
+    return MLAConfig(
+        num_heads=4, hidden_size=32, kv_lora_rank=12, qk_rope_head_dim=d_r, qk_nope_head_dim=6, v_head_dim=10,
+        softmax_scale=0.3, rope_inv_freq=[torch.rand(d_r // 2).tolist()], q_lora_rank=q_lora, q_a_norm=bool(q_lora),
+        kv_a_norm=kv_norm, q_bias=bias, kv_a_bias=bias, kv_b_bias=bias, o_bias=bias,
+    )
+
+
+def randomize(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("q_lora,kv_norm", [(None, False), (7, True)])
+def test_absorbed_equals_expanded_layer(bias, q_lora, kv_norm):
+    config = random_mla_config(bias, q_lora, kv_norm)
+    attn = MLAAttention(config, 0).eval()
+    randomize(attn)
+    x = torch.randn(2, 9, 32)
+    outs = {}
+    for mode in ("expanded", "absorbed"):
+        config.decode = mode
+        cache = DynamicCache()
+        prefill, _ = attn(x[:, :5], past_key_values=cache, position_ids=torch.arange(5)[None])
+        steps = [attn(x[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[t]]))[0] for t in range(5, 9)]
+        outs[mode] = torch.cat([prefill, *steps], dim=1)
+    torch.testing.assert_close(outs["absorbed"], outs["expanded"], atol=1e-5, rtol=1e-5)
+    # And both equal one full causal pass without a cache.
+    config.decode = "expanded"
+    full, _ = attn(x, position_ids=torch.arange(9)[None])
+    torch.testing.assert_close(outs["expanded"], full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,bias,kv_heads", [("llama", False, 2), ("llama", True, 6), ("qwen2", True, 2), ("mistral", False, 6)])
+def test_generate_absorbed_matches_prefill_logits(tiny_factory, family, bias, kv_heads):
+    """Converted model: every greedy step's logits through the absorbed latent cache equal a fresh
+    full forward (expanded path, no cache) over the same tokens. MHA (6 KV heads) and GQA (2)."""
+    _, path = tiny_factory(family, bias=bias, num_key_value_heads=kv_heads)
+    config = AutoConfig.from_pretrained(path)
+    model = assemble_model(path, config, [replicate(s) for s in source_layers(path, config)])
+    set_decode_mode(model, "absorbed")
+    prompt = torch.randint(0, 97, (1, 6))
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        set_decode_mode(model, "expanded")
+        for step, logits in enumerate(out.logits):
+            seq = out.sequences[:, : prompt.shape[1] + step]
+            ref = model(seq, use_cache=False).logits[:, -1]
+            torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_latent_cache_size_equals_formula(tiny_factory):
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    model = assemble_model(path, config, [replicate(s) for s in source_layers(path, config)])
+    mla = model.config.mla
+    batch, prompt, new = 2, 7, 4
+    with torch.no_grad():
+        out = model.generate(torch.randint(0, 97, (batch, prompt)), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, return_dict_in_generate=True)
+    tokens = prompt + new - 1  # the last generated token is never fed back
+    per_token_layer = mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+    assert cache_elements(out.past_key_values) == batch * tokens * per_token_layer * config.num_hidden_layers
+    assert per_token_layer == 2 * config.num_key_value_heads * config.head_dim  # lossless: same as the source
+
+
+def test_build_mla_model_from_config_round_trip(tmp_path, tiny_factory):
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    mla = MLAConfig(num_heads=6, hidden_size=48, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                    softmax_scale=0.35, rope_inv_freq=[[1.0, 0.1]] * 2)
+    model = build_mla_model(mla_config_for(config, mla))
+    model.save_pretrained(tmp_path / "m")
+    import transmla  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert loaded.config.mla["rope_inv_freq"] == [[1.0, 0.1]] * 2
+    ids = torch.randint(0, 97, (1, 5))
+    torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_config_rejects_odd_rope_dims():
+    with pytest.raises(ValueError, match="even"):
+        MLAConfig(num_heads=1, hidden_size=4, kv_lora_rank=2, qk_rope_head_dim=3, qk_nope_head_dim=1, v_head_dim=1,
+                  softmax_scale=1.0, rope_inv_freq=[[1.0]])

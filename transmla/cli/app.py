@@ -1,0 +1,91 @@
+"""The transmla command line. Commands live in one module each; this file wires them up.
+
+Errors print as one line on stderr with exit code 1; set TRANSMLA_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import typer
+
+from .convert import convert
+from .evaluate import evaluate
+from .generate import generate
+from .inspect import inspect
+
+app = typer.Typer(
+    name="transmla",
+    help="Convert MHA/GQA Hugging Face checkpoints (Llama, Qwen2, Mistral, Mixtral) into Multi-head Latent "
+    "Attention, evaluate them (perplexity, KV-cache size, decode speed) and fine-tune them briefly.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(convert)
+app.command()(inspect)
+app.command("eval")(evaluate)
+app.command()(generate)
+
+
+def _register_optional() -> None:
+    """Sub-apps that other modules provide (bench, finetune, sweep), when present."""
+    try:
+        from .bench import bench_app
+
+        app.add_typer(bench_app, name="bench")
+    except ImportError:
+        pass
+
+
+_register_optional()
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def main() -> None:
+    _quiet_libraries()
+    try:
+        app(standalone_mode=False)
+    except SystemExit as e:
+        raise
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # one line for users; the traceback behind TRANSMLA_DEBUG
+        import click
+
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            print("error: aborted", file=sys.stderr)
+            sys.exit(1)
+        if os.environ.get("TRANSMLA_DEBUG"):
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, KeyError):
+            message = message.strip("'\"")
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

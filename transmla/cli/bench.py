@@ -1,0 +1,83 @@
+"""`transmla bench ...`: speed benchmarks (GPU only). Parses options, calls the library, prints."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from .common import JsonFlag, stdout
+
+bench_app = typer.Typer(
+    help="Speed benchmarks on a CUDA GPU: absorbed-MLA decode (Triton kernel) against the GQA source "
+    "cache (torch SDPA) and the unfused PyTorch path.",
+    no_args_is_help=True,
+)
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise typer.Exit(1)
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+@bench_app.command("decode")
+def decode(
+    batch: Annotated[int, typer.Option(help="Sequences per decode step (B).")] = 64,
+    context: Annotated[int, typer.Option(help="Cached tokens per sequence (T).")] = 8192,
+    heads: Annotated[int, typer.Option(help="Query heads (H).")] = 32,
+    kv_lora_rank: Annotated[int, typer.Option(help="MLA latent width d_c.")] = 512,
+    rope_dim: Annotated[int, typer.Option(help="MLA shared rope-key width d_r.")] = 64,
+    gqa_kv_heads: Annotated[int, typer.Option(help="GQA source: KV heads.")] = 8,
+    gqa_head_dim: Annotated[int, typer.Option(help="GQA source: head dim.")] = 128,
+    t_q: Annotated[int, typer.Option("--t-q", help="New query tokens per sequence (1..4).")] = 1,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    tune: Annotated[bool, typer.Option(help="Also search the kernel's launch parameters.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Time one decode step of one layer: MLA Triton kernel vs PyTorch reference vs GQA SDPA."""
+    from transmla.eval.decode_bench import BenchUnavailable, DecodeShape, bench_decode, tune_mla_triton
+
+    try:
+        shape = DecodeShape(batch=batch, context=context, heads=heads, kv_lora_rank=kv_lora_rank,
+                            rope_dim=rope_dim, gqa_kv_heads=gqa_kv_heads, gqa_head_dim=gqa_head_dim,
+                            t_q=t_q, dtype=dtype)
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        rows = bench_decode(shape)
+        tuned = None
+        if tune:
+            best, _ = tune_mla_triton(shape, copy_gbps=rows[0]["copy_gbps"])
+            tuned = bench_decode(shape, impls=("mla_triton",), copy_gbps=rows[0]["copy_gbps"],
+                                 triton_kwargs=best)[0]
+            tuned["impl"] = "mla_triton_tuned"
+            rows.append(tuned)
+    except BenchUnavailable as exc:
+        _fail(str(exc))
+
+    if as_json:
+        print(json.dumps(rows, indent=2, default=str))
+        return
+    r0 = rows[0]
+    table = Table(title=(f"decode step: B={shape.batch} T={shape.context} H={shape.heads} T_q={shape.t_q} "
+                         f"MLA {shape.kv_lora_rank}+{shape.rope_dim} vs GQA {shape.gqa_kv_heads}x"
+                         f"{shape.gqa_head_dim} {shape.dtype} on {r0['gpu']} "
+                         f"(copy {r0['copy_gbps']:.0f} GB/s)"))
+    for col in ("impl", "cache elems/token", "MB read", "ms", "GB/s", "TFLOP/s", "of copy BW",
+                "x kernel time"):
+        table.add_column(col, justify="left" if col == "impl" else "right")
+    for r in rows:
+        table.add_row(r["impl"], str(r["cache_elems_per_token"]), f"{r['bytes'] / 1e6:.1f}",
+                      f"{r['ms']:.4f}", f"{r['gbps']:.0f}", f"{r['tflops']:.1f}",
+                      _fmt(r["bandwidth_fraction"], ".1%"), _fmt(r.get("x_vs_mla_triton"), ".2f"))
+    stdout.print(table)
+    cfg = next((r.get("config") for r in rows if r["impl"] == "mla_triton"), None)
+    if cfg:
+        stdout.print(f"kernel config: {cfg}" + (f"; tuned: {tuned['config']}" if tuned else ""))

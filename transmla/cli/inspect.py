@@ -1,0 +1,23 @@
+"""transmla inspect: architecture and KV-cache cost of a source or converted model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..checkpoint.resolve import load_config
+from ..eval.kv import kv_summary
+from .common import JsonFlag, emit, pick_dtype
+
+
+def inspect(
+    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, 'smollm2-135m', or a converted model.")],
+    dtype: Annotated[str | None, typer.Option(help="Cache dtype for byte counts (default: the model's).")] = None,
+    context: Annotated[int | None, typer.Option(help="Also give the cache size at this many tokens.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show layers, heads, attention kind and KV-cache elements/bytes per token."""
+    config = load_config(model)
+    info = kv_summary(config, pick_dtype(dtype) if dtype else None, context)
+    emit({"model": model, **info}, as_json, "model")
