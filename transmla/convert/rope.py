@@ -318,11 +318,15 @@ def logit_error(
     """E over query/key tokens and causal distances of (converted logit - source logit)^2.
 
     Per fold group a, in the real coordinates [Re; Im] of its g*F pairs, a score is
-    q^T M(Delta) k with M = [[cos, sin], [-sin, cos]] (source: diagonal, the pair frequencies;
-    converted: R diag(...) R^T, R = blockdiag(U_a, U_a), kept components at their assigned
-    frequency, NoPE components cos = nope_scale, sin = 0). Query and key tokens taken independent:
-    E[(q^T E k)^2] = tr(E^T C_q E C_k); Delta weighted as in mean_cos. Groups are treated as
-    uncorrelated (cross-frequency terms average out over Delta). Cheap: (2gF)^3 per distance.
+    q^T M(Delta) k with M = [[cos, sin], [-sin, cos]]: for the source, diagonal at the pair
+    frequencies; converted, R diag(...) R^T with R = blockdiag(U_a, U_a), kept components at their
+    assigned frequency, NoPE components cos = nope_scale (1 = plain NoPE), sin = 0. With query and
+    key tokens independent, E[(q^T E k)^2] = tr(E^T C_q E C_k). Groups are treated as
+    uncorrelated (cross-frequency terms average out over Delta); Delta weighted as in mean_cos.
+
+    E(Delta) = sum_t c_t(Delta) X_t over a few fixed matrices X_t (one cos and one sin term per
+    source frequency and per component), so the error is sum_{t,s} E_Delta[c_t c_s] tr(X_t^T C_q X_s C_k):
+    no per-Delta matrices.
 
     key_moment [g*d, g*d] = E[k k^T]; query_moments [g, d, d] = per-group sums of E[q_h q_h^T].
     """
@@ -336,30 +340,49 @@ def logit_error(
     qm = torch.zeros(2 * n, 2 * n, dtype=torch.float64)
     for j in range(g):
         m = query_moments[j].double()
-        for si, sl in enumerate((slice(0, half), slice(half, d))):
-            for sj, sl2 in enumerate((slice(0, half), slice(half, d))):
-                qm[si * n + j * half : si * n + (j + 1) * half, sj * n + j * half : sj * n + (j + 1) * half] = m[sl, sl2]
+        for si in range(2):
+            for sj in range(2):
+                block = m[si * half : (si + 1) * half, sj * half : (sj + 1) * half]
+                qm[si * n + j * half : si * n + (j + 1) * half, sj * n + j * half : sj * n + (j + 1) * half] = block
     kept_freq = torch.zeros(n, dtype=torch.float64)
     is_kept = torch.zeros(n, dtype=torch.bool)
     is_kept[kept] = True
     kept_freq[kept] = kept_inv_freq.double()
     scale = torch.ones(n, dtype=torch.float64) if nope_scale is None else nope_scale.double()
+    zero = torch.zeros(context, dtype=torch.float64)
     total = 0.0
     for a in range(rotation.num_groups):
         idx = group_pairs(g, d, f, a)
         idx2 = torch.cat((idx, idx + n))  # [2gF] real then imaginary coordinates
         c_k, c_q = km[idx2][:, idx2], qm[idx2][:, idx2]
-        src_w = inv_freq.double()[a * f : (a + 1) * f].repeat(g)  # [gF] frequency of each (j, k)
-        comps = torch.arange(a * w, (a + 1) * w)
-        cos_c = torch.where(is_kept[comps, None], torch.cos(kept_freq[comps, None] * delta), scale[comps, None])
-        sin_c = torch.where(is_kept[comps, None], torch.sin(kept_freq[comps, None] * delta), torch.zeros(()))
-        u = rotation.basis[a]  # [gF, gF]
-        # E(Delta) = M_source - M_converted, both 2x2 blocks of [gF, gF] matrices: [L, 2gF, 2gF]
-        p = torch.diag_embed(torch.cos(src_w[:, None] * delta).T) - torch.einsum("ic,lc,jc->lij", u, cos_c.T, u)
-        s = torch.diag_embed(torch.sin(src_w[:, None] * delta).T) - torch.einsum("ic,lc,jc->lij", u, sin_c.T, u)
-        err = torch.cat((torch.cat((p, s), -1), torch.cat((-s, p), -1)), -2)  # [L, 2gF, 2gF]
-        x = c_q @ err @ c_k  # tr(E^T C_q E C_k) = sum(E * (C_q E C_k))
-        total += float(((x * err).sum((-1, -2)) * pw).sum())
+        u = rotation.basis[a]  # [gF, gF] columns = components
+        # projectors: source frequency k (its g coordinates), converted component c (u_c u_c^T)
+        eye = torch.eye(w, dtype=torch.float64)
+        src_proj = [torch.diag(eye[torch.arange(g) * f + k].sum(0)) for k in range(f)]  # [gF, gF] each
+        comp_proj = [torch.outer(u[:, c], u[:, c]) for c in range(w)]
+        mats, coefs = [], []
+        for k, p in enumerate(src_proj):
+            wk = inv_freq.double()[a * f + k]
+            mats += [p, p]
+            coefs += [torch.cos(wk * delta), torch.sin(wk * delta)]
+        for c, p in enumerate(comp_proj):
+            m_c = a * w + c
+            mats += [p, p]
+            if is_kept[m_c]:
+                coefs += [-torch.cos(kept_freq[m_c] * delta), -torch.sin(kept_freq[m_c] * delta)]
+            else:
+                coefs += [-scale[m_c] * torch.ones(context, dtype=torch.float64), zero]
+        x = []
+        for i, p in enumerate(mats):  # even: cos term [[P, 0], [0, P]]; odd: sin term [[0, P], [-P, 0]]
+            o = torch.zeros_like(p)
+            x.append(torch.cat((torch.cat((p, o), 1), torch.cat((o, p), 1))) if i % 2 == 0
+                     else torch.cat((torch.cat((o, p), 1), torch.cat((-p, o), 1))))
+        xs = torch.stack(x)  # [T, 2gF, 2gF]
+        ys = c_q @ xs @ c_k  # [T, 2gF, 2gF]
+        traces = xs.flatten(1) @ ys.flatten(1).T  # [T, T]: tr(X_t^T C_q X_s C_k)
+        cf = torch.stack(coefs)  # [T, L]
+        weights = (cf * pw) @ cf.T  # [T, T]: E_Delta[c_t c_s]
+        total += float((weights * traces).sum())
     return total
 
 

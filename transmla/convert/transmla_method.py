@@ -89,6 +89,7 @@ class LayerMoments:
     gram: torch.Tensor  # [D+1, D+1]
     key: torch.Tensor  # [g*d, g*d] E[k k^T]
     query: torch.Tensor  # [g, d, d] per group: sum over its query heads of E[q_h q_h^T]
+    logit_energy: float | None = None  # source_logit_energy, once computed
 
     @classmethod
     def of(cls, src: SourceAttention, gram: torch.Tensor) -> "LayerMoments":
@@ -124,9 +125,20 @@ def _rope_choice(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan, fold
     freqs = kept_frequencies(rot, kept, src.inv_freq, plan.frequencies)
     scale = nope_scales(rot, src.inv_freq, plan.context) if plan.nope_scale else None
     err = logit_error(rot, kept, freqs, src.inv_freq, m.key, m.query, plan.context, scale)
-    zero = torch.zeros(g * d // 2, dtype=torch.float64)
-    total = logit_error(rot, kept[:0], freqs[:0], src.inv_freq, m.key, m.query, plan.context, zero)
+    total = source_logit_energy(src, m, plan.context)
     return RopeChoice(fold, kept, freqs, scale, rot, err / total if total > 0 else 0.0)
+
+
+def source_logit_energy(src: SourceAttention, m: "LayerMoments", context: int) -> float:
+    """E[logit^2] of the source (rope.logit_error against an all-zero conversion, pairs grouped
+    one frequency at a time): the scale that makes the logit error relative. Cached on m."""
+    if m.logit_energy is None:
+        g, d = src.geometry.num_kv_heads, src.geometry.head_dim
+        rot = rorope(pair_second_moment(m.key, g, d), g, d, 1)
+        none = torch.zeros(0, dtype=torch.long)
+        zero = torch.zeros(g * d // 2, dtype=torch.float64)
+        m.logit_energy = logit_error(rot, none, torch.zeros(0), src.inv_freq, m.key, m.query, context, zero)
+    return m.logit_energy
 
 
 def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tuple[RopeChoice, dict[int, float]]:
