@@ -7,16 +7,41 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-CLI = [sys.executable, "-m", "transmla.cli.app"]
+from transmla.cli.app import main
 
 
-def run(*args, env=None):
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "0", **(env or {})}
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=full_env, timeout=300)
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """Run the CLI in this process (as the console script does) and capture its output."""
+
+    def invoke(*args, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return invoke
+
+
+def test_console_script_exit_code(tmp_path):
+    """One real subprocess: the installed entry point exits non-zero with a one-line error."""
+    proc = subprocess.run([sys.executable, "-m", "transmla.cli.app", "inspect", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc, "no such file or directory")
 
 
 def assert_one_line_error(proc, needle):
@@ -26,7 +51,7 @@ def assert_one_line_error(proc, needle):
     assert "Traceback" not in proc.stderr
 
 
-def test_convert_inspect_eval_generate(tiny_factory, tmp_path):
+def test_convert_inspect_eval_generate(tiny_factory, tmp_path, run):
     _, path = tiny_factory("qwen2", bias=True)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{i % 13}" for i in range(3000)))
@@ -42,7 +67,7 @@ def test_convert_inspect_eval_generate(tiny_factory, tmp_path):
     assert src_info["attention"] == "GQA" and src_info["kv_heads"] == 2
 
 
-def test_eval_equal_for_source_and_lossless(tiny_factory, tmp_path):
+def test_eval_equal_for_source_and_lossless(tiny_factory, tmp_path, run):
     from transformers import AutoTokenizer  # noqa: F401
 
     # A tiny model needs a tokenizer on disk for the CLI: borrow a word-level one.
@@ -68,12 +93,12 @@ def test_eval_equal_for_source_and_lossless(tiny_factory, tmp_path):
     assert payload["new_tokens"] == 4 and payload["cache_bytes"] > 0
 
 
-def test_missing_path(tmp_path):
+def test_missing_path(tmp_path, run):
     assert_one_line_error(run("inspect", tmp_path / "nope"), "no such file or directory")
     assert_one_line_error(run("convert", "./missing-model", tmp_path / "o"), "no such file or directory")
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, run):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
@@ -83,7 +108,7 @@ def test_unsupported_architecture(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_non_empty_output_needs_force(tiny_factory, tmp_path):
+def test_non_empty_output_needs_force(tiny_factory, tmp_path, run):
     _, path = tiny_factory("llama")
     out = tmp_path / "o"
     out.mkdir()
@@ -94,7 +119,7 @@ def test_non_empty_output_needs_force(tiny_factory, tmp_path):
     assert (out / "config.json").exists() and not (out / "keep.txt").exists()
 
 
-def test_unreachable_hub_id(tmp_path):
+def test_unreachable_hub_id(tmp_path, run):
     start = time.time()
     proc = run("inspect", "some-org/some-model-that-is-not-here", env={"HF_HUB_OFFLINE": "1"})
     assert_one_line_error(proc, "Hugging Face Hub could not provide it")
@@ -102,13 +127,14 @@ def test_unreachable_hub_id(tmp_path):
     assert time.time() - start < 120
 
 
-def test_bad_options(tiny_factory, tmp_path):
+def test_bad_options(tiny_factory, tmp_path, run):
     _, path = tiny_factory("llama")
     assert_one_line_error(run("convert", path, tmp_path / "o", "--method", "magic"), "unknown method 'magic'")
     assert_one_line_error(run("convert", path, tmp_path / "o", "--max-shard-size", "lots"), "invalid size")
     assert_one_line_error(run("convert", path, tmp_path / "o", "--dtype", "fp8"), "dtype must be one of")
 
 
-def test_debug_env_shows_traceback(tmp_path):
-    proc = run("inspect", tmp_path / "nope", env={"TRANSMLA_DEBUG": "1"})
-    assert proc.returncode != 0 and "Traceback" in proc.stderr
+def test_debug_env_raises_with_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRANSMLA_DEBUG", "1")
+    with pytest.raises(FileNotFoundError):
+        main(["inspect", str(tmp_path / "nope")])

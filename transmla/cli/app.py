@@ -58,34 +58,34 @@ def _quiet_libraries() -> None:
         pass
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (console scripts pass it to sys.exit)."""
     _quiet_libraries()
+    import click
+
     try:
-        app(standalone_mode=False)
-    except SystemExit as e:
-        raise
+        app(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:  # usage errors: click's own message
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        return 130
     except Exception as e:  # one line for users; the traceback behind TRANSMLA_DEBUG
-        import click
-
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            print("error: aborted", file=sys.stderr)
-            sys.exit(1)
         if os.environ.get("TRANSMLA_DEBUG"):
             raise
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, KeyError):
             message = message.strip("'\"")
         print(f"error: {message}", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
