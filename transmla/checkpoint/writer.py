@@ -118,6 +118,7 @@ class ShardedWriter:
             return
         path = self.out_dir / _part_name(len(self._parts) + 1)
         save_file(self._buffer, str(path), metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_current_umask())  # safetensors creates files owner-only
         self._parts.append(list(self._buffer))
         self._buffer = {}
         self._buffer_bytes = 0

@@ -31,13 +31,18 @@ app.command()(generate)
 
 
 def _register_optional() -> None:
-    """Sub-apps that other modules provide (bench, finetune, sweep), when present."""
-    try:
-        from .bench import bench_app
+    """Commands whose modules may be absent from a partial install (bench needs triton for its kernel)."""
+    import importlib
 
-        app.add_typer(bench_app, name="bench")
-    except ImportError:
-        pass
+    for module, attr, name in (("bench", "bench_app", "bench"), ("sweep", "sweep", "sweep"), ("finetune", "finetune", "finetune")):
+        try:
+            obj = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(obj, typer.Typer):
+            app.add_typer(obj, name=name)
+        else:
+            app.command(name)(obj)
 
 
 _register_optional()
