@@ -19,7 +19,6 @@ Not supported (documented in NOTES.md): a paged cache / block table (the cache i
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -28,12 +27,32 @@ import triton.language as tl
 
 from .reference import check_decode_shapes
 
-__all__ = ["mla_decode_triton", "default_config", "INTERPRET"]
+__all__ = ["mla_decode_triton", "default_config", "choose_num_splits", "smem_estimate", "INTERPRET"]
 
 # triton decides interpreter-or-compiler when a function is decorated, i.e. at this import
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 _LOG2E = 1.4426950408889634
+
+
+# No tl.max / tl.sum / tl.cdiv / tl.zeros in the kernels: those are @triton.jit helpers inside
+# triton.language, and when triton was imported before TRITON_INTERPRET=1 was set (importing
+# transformers -> torch._dynamo does that) they are compiled JITFunctions the interpreter cannot
+# call. tl.reduce with triton's own combine functions is what tl.max/tl.sum do for fp32 on the
+# GPU, and the interpreter recognises those objects and reduces with numpy (a combine function
+# of our own would take its element-by-element Python path).
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
+_MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
+_SUM = getattr(tl.standard, "_sum_combine", _sum_combine)
 
 
 @triton.jit
@@ -74,7 +93,7 @@ def _mla_decode_split_kernel(
     lim = L - T_Q + t + 1  # [BLOCK_H]: row m sees keys n < lim (causal among new tokens)
 
     # this program's split [start, end) of [0, L), in whole tiles
-    per_split = tl.cdiv(tl.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = ((L + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = pid_s * per_split
     end = tl.minimum(start + per_split, L)
 
@@ -95,8 +114,8 @@ def _mla_decode_split_kernel(
             qr = qr.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_DC], 0.0, dtype=tl.float32)
 
     lat_base = LATENT + b64 * stride_lb
     rope_base = ROPE + b64 * stride_rb
@@ -124,11 +143,11 @@ def _mla_decode_split_kernel(
         s = tl.where(keep, s, float("-inf"))
 
         # online softmax, safe for rows that have seen nothing yet (m = -inf)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=INPUT_PRECISION)  # [BLOCK_H, BLOCK_DC]
         m_i = m_new
@@ -169,51 +188,96 @@ def _mla_decode_merge_kernel(
 
     lse = tl.load(LSE_PART + b64 * stride_lpb + pid_m * stride_lpm + offs_s, mask=s_mask,
                   other=float("-inf"))  # [BLOCK_S], base 2
-    mx = tl.max(lse, 0)
+    mx = tl.reduce(lse, 0, _MAX)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(lse - mx)  # 0 for empty splits
-    denom = tl.sum(w, 0)
+    denom = tl.reduce(w, 0, _SUM)
     denom = tl.where(denom == 0.0, 1.0, denom)
     o = tl.load(
         O_PART + b64 * stride_opb + pid_m * stride_opm + offs_s[:, None] * stride_ops + offs_dc[None, :],
         mask=s_mask[:, None] & dc_mask[None, :], other=0.0,
     )  # [BLOCK_S, BLOCK_DC]
-    out = tl.sum(o * w[:, None], 0) / denom
+    out = tl.reduce(o * w[:, None], 0, _SUM) / denom
     tl.store(OUT + b64 * stride_ob + t * stride_ot + h * stride_oh + offs_dc,
              out.to(OUT.dtype.element_ty), mask=dc_mask)
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_limits(device_index: int) -> tuple[int, int]:
+    """(SM count, opt-in shared memory per block in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device_index)
+    try:  # what triton itself checks kernels against (227 KiB on H100)
+        from triton.runtime import driver
+
+        smem = int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:
+        per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+        smem = per_sm - 1024 if per_sm > 0 else 99 * 1024
+    return props.multi_processor_count, smem
+
+
+def smem_estimate(block_h: int, block_n: int, block_dc: int, block_dr: int, num_stages: int,
+                  elem: int) -> int:
+    """Shared memory of the split kernel in bytes (matches triton 3.9's allocation on sm_90:
+    num_stages - 1 latent+rope buffers, the query tile, the p tile)."""
+    row = block_dc + block_dr
+    return ((num_stages - 1) * block_n * row + block_h * row + block_h * block_n) * elem
+
+
+def choose_num_splits(batch: int, head_blocks: int, rows: int, seq: int, slots: int, block_n: int,
+                      token_bytes: int, d_c: int, max_splits: int = 64, min_tokens: int = 256) -> int:
+    """Split count minimising a per-SM time model (in bytes moved by one SM): every program of
+    a wave streams its split at the same rate, so the cache part is
+    ceil(programs / slots) * tokens_per_split * token_bytes; the partial outputs add
+    batch * rows * splits * d_c * 8 bytes (fp32 write + read) spread over the slots. Ties (within
+    2%) go to fewer splits. slots = SMs x resident programs per SM."""
+    programs = max(batch * head_blocks, 1)
+    hi = max(1, min(max_splits, triton.cdiv(seq, min_tokens)))
+    best, best_cost = 1, None
+    for ns in range(1, hi + 1):
+        per = triton.cdiv(triton.cdiv(seq, ns), block_n) * block_n
+        cost = triton.cdiv(programs * ns, slots) * per * token_bytes
+        if ns > 1:
+            cost += batch * rows * ns * d_c * 8 / slots
+        if best_cost is None or cost < best_cost * 0.98:
+            best, best_cost = ns, cost
+    return best
 
 
 def default_config(
     batch: int, rows: int, seq: int, d_c: int, d_r: int, dtype: torch.dtype, device: torch.device
 ) -> dict:
-    """Launch parameters chosen from the shape (rows = T_q * H).
+    """Launch parameters chosen from the shape (rows = T_q * H); see NOTES.md.
 
-    BLOCK_H covers all rows of a sequence when they fit (so the latent is read once per split),
-    capped at 32 for d_c > 256 (accumulator registers) and 64 otherwise; >= 16 for tl.dot.
-    Splits: enough programs for ~2 waves over the SMs, but at least 256 tokens per split.
+    BLOCK_H covers all rows of a sequence when they fit (then each latent tile is read once per
+    split), capped at 32 for d_c > 256 or fp32 (accumulator registers), 64 otherwise; >= 16 for
+    tl.dot. Warps give each thread <= 64 fp32 accumulator elements. Pipeline depth: as many
+    stages as fit in ~70% of the opt-in shared memory (at most 4). Splits: `choose_num_splits`.
+    Chosen from compile-only register/shared-memory reports for sm_90; not tuned on hardware.
     """
+    elem = torch.empty((), dtype=dtype).element_size()
     block_dc = max(16, triton.next_power_of_2(d_c))
-    block_dr = max(16, triton.next_power_of_2(max(d_r, 1)))
-    cap = 32 if block_dc > 256 else 64
+    block_dr = max(16, triton.next_power_of_2(d_r)) if d_r > 0 else 0
+    cap = 32 if (block_dc >= 512 or elem == 4) else 64
     block_h = min(cap, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if block_dc <= 512 else 32
-    elem = 4 if dtype == torch.float32 else 2
-    stage_bytes = block_n * (block_dc + (block_dr if d_r > 0 else 0)) * elem
-    num_stages = 3 if 3 * stage_bytes <= 160 * 1024 else 2
-    num_warps = 4 if block_h * block_dc <= 8192 else 8
-    head_blocks = triton.cdiv(rows, block_h)
+    block_n = 32 if (block_dc >= 512 or elem == 4) else 64
+    num_warps = max(4, min(8, block_h * block_dc // 2048))
     if device.type == "cuda" and not INTERPRET:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        sms, smem_optin = _device_limits(
+            device.index if device.index is not None else torch.cuda.current_device())
     else:
-        sms = 4  # interpreter: few programs
-    programs = batch * head_blocks
-    num_splits = triton.cdiv(2 * sms, max(programs, 1))
-    num_splits = max(1, min(num_splits, triton.cdiv(seq, 256), 64))
+        sms, smem_optin = 4, 227 * 1024  # interpreter: few programs
+    budget = int(0.7 * smem_optin)
+    num_stages = 2
+    for st in (4, 3):
+        if smem_estimate(block_h, block_n, block_dc, block_dr, st, elem) <= budget:
+            num_stages = st
+            break
+    smem = smem_estimate(block_h, block_n, block_dc, block_dr, num_stages, elem)
+    per_sm = max(1, min(smem_optin // max(smem, 1), 2 if num_warps <= 4 else 1))
+    head_blocks = triton.cdiv(rows, block_h)
+    num_splits = choose_num_splits(batch, head_blocks, rows, seq, sms * per_sm, block_n,
+                                   (d_c + d_r) * elem, d_c)
     return dict(block_h=block_h, block_n=block_n, num_splits=num_splits,
                 num_warps=num_warps, num_stages=num_stages)
 
@@ -339,3 +403,89 @@ def mla_decode_triton(
             num_warps=4 if block_dc >= 256 else 2,
         )
     return out
+
+
+def compile_report(
+    *,
+    d_c: int = 512,
+    d_r: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    t_q: int | None = 1,
+    block_h: int = 32,
+    block_n: int = 32,
+    num_warps: int = 8,
+    num_stages: int = 4,
+    num_splits: int = 2,
+    has_seq_lens: bool = True,
+    arch: int = 90,
+) -> dict:
+    """Compile the split kernel ahead of time for an NVIDIA arch (sm_90 = H100) without a GPU
+    and report what the hardware would get: shared memory, registers, spill stack, and whether
+    the loop loads were software-pipelined (cp.async). A development aid for CPU-only machines;
+    uses triton internals (ASTSource, GPUTarget) and the bundled cuobjdump. Not available under
+    TRITON_INTERPRET=1 (the kernel is then an interpreted function).
+
+    Integer arguments are given the divisibility-by-16 specialisation the runtime applies to
+    strides like 512 or 576; t_q=1 mirrors the runtime's specialisation of the value 1.
+    """
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRET:
+        raise RuntimeError("compile_report is unavailable under TRITON_INTERPRET=1")
+    fn = _mla_decode_split_kernel
+    names = fn.arg_names
+    tname = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    const = dict(
+        D_C=d_c, D_R=d_r, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_DC=max(16, triton.next_power_of_2(d_c)),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(d_r, 1))),
+        NUM_SPLITS=num_splits, HAS_SEQ_LENS=has_seq_lens, UPCAST=False,
+        INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+    if t_q == 1:
+        const["T_Q"] = 1
+    sig = {}
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in ("Q_LAT", "Q_ROPE", "LATENT", "ROPE", "OUT"):
+            sig[n] = "*" + tname
+        elif n == "SEQ_LENS":
+            sig[n] = "*i32"
+        elif n in ("O_PART", "LSE_PART"):
+            sig[n] = "*fp32"
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n.startswith("stride_")}
+    kernel = triton.compile(
+        ASTSource(fn, sig, constexprs=const, attrs=attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    ttgir = kernel.asm["ttgir"]
+    report = dict(
+        arch=arch, shared_bytes=int(kernel.metadata.shared),
+        async_copies=ttgir.count("ttg.async_copy_global_to_local"),
+        wgmma=ttgir.count("warp_group_dot"), registers=None, spill_stack_bytes=None,
+    )
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(tool):
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True).stdout
+        for tok in " ".join(l for l in usage.splitlines() if "REG:" in l).split():
+            if tok.startswith("REG:"):
+                report["registers"] = int(tok[4:])
+            elif tok.startswith("STACK:"):
+                report["spill_stack_bytes"] = int(tok[6:])
+    return report
