@@ -293,3 +293,63 @@ def test_goal_config_compiles_for_sm90_without_spills():
     assert rep["shared_bytes"] == rep["estimate"], rep
     if rep["spill_stack_bytes"] is not None:
         assert rep["spill_stack_bytes"] == 0, rep
+
+
+# ------------------------------------------------------------------ benchmark library (plumbing)
+
+
+def test_bench_traffic_numbers_and_split_heuristic():
+    from transmla.eval.decode_bench import DecodeShape, fit_batch, gqa_traffic, mla_traffic
+
+    goal = DecodeShape(batch=64, context=8192, heads=32, kv_lora_rank=512, rope_dim=64)
+    t = mla_traffic(goal)
+    assert t["kv_bytes"] == 64 * 8192 * 576 * 2 == 603_979_776
+    assert t["bytes"] == 603_979_776 + 64 * 32 * 576 * 2 + 64 * 32 * 512 * 2  # + queries + outputs
+    assert t["flops"] == 2 * 64 * 32 * 8192 * (2 * 512 + 64)
+    assert gqa_traffic(goal)["cache_elems_per_token"] == 2048 and t["cache_elems_per_token"] == 576
+    assert fit_batch(goal).batch == 64
+    assert fit_batch(goal, limit_bytes=2.5e9).batch < 64
+    with pytest.raises(ValueError):
+        DecodeShape(heads=30, gqa_kv_heads=8)
+    if HAS_TRITON:
+        from transmla.mla.kernels.triton_decode import choose_num_splits
+
+        # one wave of 128 CTAs on 132 SMs beats 2-3 ragged waves
+        assert choose_num_splits(64, 1, 32, 8192, 132, 32, 1152, 512) == 2
+        # a single sequence spreads over the SMs
+        assert choose_num_splits(1, 1, 32, 8192, 132, 32, 1152, 512) == 32
+
+
+def test_bench_needs_cuda_and_cli_exits_1():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from transmla.eval.decode_bench import BenchUnavailable, DecodeShape, bench_decode
+
+    with pytest.raises(BenchUnavailable):
+        bench_decode(DecodeShape(batch=1, context=16, heads=8))
+    typer_testing = pytest.importorskip("typer.testing")
+    from transmla.cli.bench import bench_app
+
+    import typer
+
+    app = typer.Typer()
+    app.add_typer(bench_app, name="bench")
+    res = typer_testing.CliRunner().invoke(app, ["bench", "decode", "--json"])
+    assert res.exit_code == 1
+    assert "CUDA" in res.output and res.output.strip().count("\n") == 0
+
+
+@needs_triton
+def test_bench_dry_run_plumbing():
+    if ON_GPU:
+        pytest.skip("dry runs are for CPU machines")
+    from transmla.eval.decode_bench import DecodeShape, bench_decode
+
+    s = DecodeShape(batch=2, context=40, heads=4, kv_lora_rank=16, rope_dim=16, gqa_kv_heads=2,
+                    gqa_head_dim=16, t_q=2, dtype="fp32")
+    rows = bench_decode(s, dry_run=True, triton_kwargs=dict(block_n=16))
+    assert [r["impl"] for r in rows] == ["mla_triton", "mla_torch_reference", "gqa_sdpa"]
+    for r in rows:
+        assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and "gpu" in r and "triton_version" in r
+        assert r["x_vs_mla_triton"] > 0
+    assert rows[0]["config"]["block_n"] == 16
