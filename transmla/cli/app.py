@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     import click
 
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # a command's typer.Exit(n) comes back as n
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:  # usage errors: click's own message
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             message = message.strip("'\"")
         print(f"error: {message}", file=sys.stderr)
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":
