@@ -1,0 +1,370 @@
+"""Fine-tuning: recipes, packing without cross-document attention, the loop, resume, outputs."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import make_tiny_model
+from transmla.finetune.data import (
+    IGNORE,
+    PAD_SEGMENT,
+    StepSampler,
+    load_documents,
+    pack_documents,
+    segment_mask,
+    split_documents,
+)
+from transmla.finetune.recipe import apply_overrides, load_recipe, parse_recipe
+from transmla.finetune.train import TRAINABLE_PATTERNS, lr_factor, run_finetune
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 96
+
+
+def _doc(rng: random.Random) -> str:
+    x, words = rng.randrange(VOCAB), []
+    for _ in range(rng.randrange(20, 120)):
+        words.append(f"w{x}")
+        x = (x * 7 + 3) % VOCAB  # a learnable next-token rule
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny lossless-converted MLA model with a word-level tokenizer, and train/eval texts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from transmla.convert.api import convert
+    from transmla.convert.options import ConvertOptions
+
+    root = tmp_path_factory.mktemp("ft")
+    src = root / "src"
+    make_tiny_model("llama", src)
+    vocab = {f"w{i}": i for i in range(VOCAB)} | {"[UNK]": VOCAB}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(src)
+    convert(str(src), root / "mla", ConvertOptions(method="lossless"), progress=False)
+    rng = random.Random(0)
+    (root / "train.txt").write_text("\n\n".join(_doc(rng) for _ in range(120)))
+    (root / "eval.txt").write_text("\n\n".join(_doc(rng) for _ in range(30)))
+    return root
+
+
+def _recipe(tiny: Path, out: Path, **sections) -> dict:
+    data = {
+        "model": {"path": str(tiny / "mla")},
+        "data": {"train": str(tiny / "train.txt"), "seq_len": 32},
+        "train": {"steps": 6, "trainable": "mla", "micro_batch_size": 2, "grad_accum": 2, "device": "cpu", "threads": 1},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"kind": "cosine", "warmup_steps": 2},
+        "eval": {"data": str(tiny / "eval.txt"), "seq_len": 32, "windows": 2, "final_windows": 4},
+        "output_dir": str(out),
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return data
+
+
+# --- recipes -----------------------------------------------------------------------------------
+
+
+def test_recipe_good_and_overrides(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"source": "smollm2-135m", "convert": {"method": "transmla", "kv_budget": 0.25, "freqfold": "auto"}},
+        "train": {"steps": 10},
+        "output_dir": "out/a",
+    }))
+    r = load_recipe(path)
+    assert r.train.trainable == "mla" and r.data.train == "wiki" and r.output_dir == Path("out/a")
+    r = load_recipe(path, [
+        "output_dir=out/b", "train.steps=7", "model.convert.kv_budget=0.5", "optimizer.betas=[0.8, 0.9]",
+        "optimizer.lr=2e-4", "data.packing=false", "model.convert.freqfold=2",
+    ])
+    assert r.output_dir == Path("out/b") and r.train.steps == 7 and r.model.convert.kv_budget == 0.5
+    assert r.optimizer.betas == (0.8, 0.9) and r.optimizer.lr == 2e-4 and r.data.packing is False
+    assert r.model.convert.freqfold == "2"
+    # a token budget becomes whole steps
+    r = load_recipe(path, ["train.steps=null", "train.tokens=1000", "data.seq_len=64", "train.micro_batch_size=2"])
+    assert r.total_steps() == 8 and r.total_steps(world_size=2) == 4
+    # a nested section that the file does not have is created by the override
+    assert apply_overrides({}, ["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        ({"trian": {"steps": 3}}, "unknown key 'trian'"),
+        ({"train": {"steps": 3, "lr": 1.0}}, "unknown key 'train.lr'"),
+        ({"model": {"source": "x", "convert": {"kvbudget": 0.5}}}, "unknown key 'model.convert.kvbudget'"),
+        ({"train": {"steps": "many"}}, "train.steps: Input should be a valid integer"),
+        ({"data": {"seq_len": 1}}, "data.seq_len: Input should be greater than or equal to 2"),
+        ({"train": {"steps": 3, "trainable": "mlp"}}, "train.trainable: Input should be 'all', 'attention' or 'mla'"),
+        ({"train": {"steps": 3, "tokens": 100}}, "exactly one of train.steps or train.tokens"),
+        ({"model": {"path": "a", "source": "b"}}, "exactly one of model.path"),
+        ({"output_dir": None}, "output_dir"),
+    ],
+)
+def test_recipe_errors(change, expect):
+    data = {"model": {"path": "some/mla"}, "train": {"steps": 3}, "output_dir": "out"}
+    data.update(change)
+    with pytest.raises(ValueError) as e:
+        parse_recipe(data, "r.yaml")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_recipe_override_and_file_errors(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {path: m}\ntrain: {steps: 3}\noutput_dir: o\n")
+    with pytest.raises(ValueError, match="key=value"):
+        load_recipe(path, ["train.steps"])
+    with pytest.raises(ValueError, match="unknown key 'train.step'"):
+        load_recipe(path, ["train.step=4"])
+    with pytest.raises(ValueError, match="train.steps is not a section"):
+        load_recipe(path, ["train.steps.x=4"])
+    with pytest.raises(FileNotFoundError):
+        load_recipe(tmp_path / "missing.yaml")
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_recipe(path)
+
+
+def test_shipped_recipes_validate():
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 3
+    for path in recipes:
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and f"transmla finetune recipes/{path.name}" in first, path.name
+        load_recipe(path)
+
+
+# --- data --------------------------------------------------------------------------------------
+
+
+def test_split_documents():
+    wiki = " = A = \n\nalpha one.\n\nalpha two.\n\n = B = \n\n = = Section = = \n\nbeta."
+    docs = split_documents(wiki)
+    assert len(docs) == 2 and docs[0].startswith(" = A = ") and "= = Section = =" in docs[1]
+    assert split_documents("one\n\ntwo\n \nthree") == ["one", "two", "three"]
+    assert split_documents("one\n\ntwo", "none") == ["one\n\ntwo"]
+
+
+def test_jsonl_rows_are_documents(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a b"}\n{"text": "c\\n\\nd"}\n\n{"text": "e"}\n')
+    assert load_documents(str(path)) == ["a b", "c\n\nd", "e"]
+
+
+def test_packing_segments_positions_labels():
+    docs = [torch.arange(10, 15), torch.arange(20, 23), torch.arange(30, 40)]
+    p = pack_documents(docs, seq_len=6)
+    assert p.input_ids.shape == (3, 6) and p.tokens == 18  # 18 tokens, no tail
+    assert p.input_ids[0].tolist() == [10, 11, 12, 13, 14, 20]
+    assert p.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0]
+    assert p.labels[0].tolist() == [11, 12, 13, 14, IGNORE, IGNORE]  # none across a boundary or the end
+    assert p.position_ids[1].tolist() == [0, 1, 0, 1, 2, 3]  # doc 1 continues (a new piece), then doc 2
+    assert p.labels[1].tolist() == [22, IGNORE, 31, 32, 33, IGNORE]  # last position: no next token here
+    mask = segment_mask(p.segment_ids[:1])[0, 0]
+    assert mask[5].tolist() == [False] * 5 + [True] and mask[4].tolist() == [True] * 5 + [False]
+    q = pack_documents(docs, seq_len=6, packing=False, pad_id=0)
+    assert q.input_ids.shape == (4, 6)  # 5 -> 1 row, 3 -> 1 row, 10 -> 2 rows
+    assert q.input_ids[1].tolist() == [20, 21, 22, 0, 0, 0]
+    assert q.segment_ids[1].tolist() == [1, 1, 1, PAD_SEGMENT, PAD_SEGMENT, PAD_SEGMENT]
+    assert q.labels[1].tolist() == [21, 22] + [IGNORE] * 4 and q.tokens == 18
+
+
+def test_packing_never_attends_across_documents(tiny):
+    """A packed sequence computes exactly what each document computes alone."""
+    from transformers import AutoModelForCausalLM
+
+    import transmla  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "mla", dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, VOCAB, (11,), generator=g), torch.randint(0, VOCAB, (13,), generator=g)
+    packed = pack_documents([a, b], seq_len=24)
+    batch = packed.batch(torch.tensor([0]))
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       attention_mask=batch["attention_mask"], use_cache=False).logits[0]
+        alone_a = model(input_ids=a[None]).logits[0]
+        alone_b = model(input_ids=b[None]).logits[0]
+        # a different first document changes nothing in the second one
+        other = pack_documents([torch.randint(0, VOCAB, (11,), generator=g), b], seq_len=24).batch(torch.tensor([0]))
+        logits_other = model(input_ids=other["input_ids"], position_ids=other["position_ids"],
+                             attention_mask=other["attention_mask"], use_cache=False).logits[0]
+    torch.testing.assert_close(logits[:11], alone_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[11:], alone_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits_other[11:], logits[11:], atol=1e-6, rtol=1e-6)
+    # plain causal attention over the same tokens lets the second document see the first
+    with torch.no_grad():
+        leaky = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
+    assert (leaky[11:] - alone_b).abs().max() > 1e-3
+
+
+def test_step_sampler_is_a_function_of_step():
+    s = StepSampler(10, per_step=4, seed=3)
+    seen = torch.cat([s.indices(i) for i in range(5)])  # 20 = two epochs
+    assert sorted(seen[:10].tolist()) == list(range(10)) and sorted(seen[10:].tolist()) == list(range(10))
+    assert torch.equal(StepSampler(10, 4, seed=3).indices(3), s.indices(3))
+
+
+def test_lr_schedules():
+    assert lr_factor("constant", 0, 10, 2, 0.0) == 0.5 and lr_factor("constant", 9, 10, 2, 0.0) == 1.0
+    assert lr_factor("cosine", 2, 10, 2, 0.1) == pytest.approx(1.0)
+    assert lr_factor("cosine", 10, 10, 2, 0.1) == pytest.approx(0.1)
+    assert lr_factor("linear", 6, 10, 2, 0.0) == pytest.approx(0.5)
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def test_steps_reduce_loss_and_output_reloads(tiny, tmp_path):
+    """Training lowers the held-out loss; the saved model reloads and evaluates identically."""
+    from transformers import AutoModelForCausalLM
+
+    import transmla  # noqa: F401
+    from transmla.data.texts import load_text
+    from transmla.eval.perplexity import perplexity, tokenize_text
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "run"
+    recipe = parse_recipe(_recipe(
+        tiny, out, train={"steps": 12, "trainable": "all"}, optimizer={"lr": 1e-2}, eval={"every": 6}, checkpoint={"every": 0}
+    ))
+    result = run_finetune(recipe, progress=False)
+    assert result.completed and result.steps == 12 and result.tokens == 12 * 4 * 32
+    assert result.final_perplexity < 0.7 * result.start_perplexity
+    for name in ("train_log.csv", "eval_log.csv", "metrics.json", "curves.png", "recipe.yaml"):
+        assert (out / name).is_file(), name
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["train_log"]) == 12 and metrics["summary"]["final_perplexity"] == result.final_perplexity
+    assert [r["tag"] for r in metrics["eval_log"]] == ["start", "start", "train", "final", "final"]
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.mla["method"]["finetune"]["steps"] == 12
+    ids = tokenize_text(tok, load_text(str(tiny / "eval.txt")))
+    again = perplexity(model, ids, seq_len=32, max_windows=4, progress=False)
+    assert again.tokens == result.eval_tokens
+    assert again.perplexity == pytest.approx(result.final_perplexity, rel=1e-6)
+
+
+def test_resume_continues_identically(tiny, tmp_path):
+    common = dict(train={"steps": 6}, eval={"data": None}, checkpoint={"every": 3})
+    full = run_finetune(parse_recipe(_recipe(tiny, tmp_path / "full", **common)), progress=False)
+    part = parse_recipe(_recipe(tiny, tmp_path / "part", **common))
+    first = run_finetune(part, stop_after=3, progress=False)
+    assert not first.completed and first.steps == 3 and first.model_dir is None
+    assert (tmp_path / "part" / "checkpoints" / "step-000003" / "trainer.json").is_file()
+    second = run_finetune(part, progress=False)
+    assert second.completed and second.resumed_from.endswith("step-000003")
+    losses = lambda d: [r["loss"] for r in json.loads((d / "metrics.json").read_text())["train_log"]]  # noqa: E731
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")  # the same numbers, bit for bit
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "full" / "model" / "model.safetensors"), load_file(tmp_path / "part" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("trainable", ["mla", "attention"])
+def test_frozen_parameters_unchanged(tiny, tmp_path, trainable):
+    import re
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / trainable
+    run_finetune(parse_recipe(_recipe(tiny, out, train={"steps": 3, "trainable": trainable}, eval={"data": None})), progress=False)
+    before, after = load_file(tiny / "mla" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    pattern = re.compile(TRAINABLE_PATTERNS[trainable])
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(pattern.search(k) for k in changed), changed
+    trained = {k for k in before if pattern.search(k)}
+    assert trained == changed  # every selected weight moved, nothing else did
+    if trainable == "mla":
+        assert not any(".o_proj." in k for k in changed)
+
+
+def test_bf16_and_checkpointing_options_run(tiny, tmp_path):
+    recipe = parse_recipe(_recipe(
+        tiny, tmp_path / "bf16",
+        train={"steps": 2, "precision": "bf16", "gradient_checkpointing": True, "recompute_kv": True, "trainable": "all"},
+        eval={"data": None}, data={"packing": False},
+    ))
+    result = run_finetune(recipe, progress=False)
+    assert result.completed and result.final_loss is not None and torch.isfinite(torch.tensor(result.final_loss))
+    cfg = json.loads((tmp_path / "bf16" / "model" / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16"
+
+
+def test_source_is_converted_first_and_reused(tiny, tmp_path):
+    recipe = parse_recipe(_recipe(
+        tiny, tmp_path / "conv", model={"source": str(tiny / "src"), "convert": {"method": "lossless"}},
+        train={"steps": 1}, eval={"data": None},
+    ) | {"model": {"source": str(tiny / "src"), "convert": {"method": "lossless"}}})
+    first = run_finetune(recipe, progress=False)
+    assert first.converted_dir == str(tmp_path / "conv" / "converted")
+    stamp = (tmp_path / "conv" / "converted" / "config.json").stat().st_mtime_ns
+    recipe2 = parse_recipe(recipe.dump() | {"checkpoint": {"resume": "never"}})
+    run_finetune(recipe2, progress=False)
+    assert (tmp_path / "conv" / "converted" / "config.json").stat().st_mtime_ns == stamp  # reused
+
+
+# --- recompute ---------------------------------------------------------------------------------
+
+
+def test_kv_recompute_same_gradients_less_saved_memory(tiny):
+    from transformers import AutoModelForCausalLM
+
+    import transmla  # noqa: F401
+    from transmla.mla.recompute import disable_kv_recompute, enable_kv_recompute
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "mla", dtype=torch.float32).train()
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+
+    loss0, grads0, bytes0 = run()
+    assert enable_kv_recompute(model) == 2
+    loss1, grads1, bytes1 = run()
+    disable_kv_recompute(model)
+    assert torch.equal(loss0, loss1)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], atol=1e-6, rtol=1e-5)
+    assert bytes1 < bytes0
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def test_cli_finetune_and_errors(tiny, tmp_path, capsys):
+    from transmla.cli.app import main
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tiny, tmp_path / "cli", train={"steps": 2}, eval={"data": None})))
+    assert main(["finetune", str(path), "--set", f"output_dir={tmp_path / 'cli2'}", "--set", "train.steps=1", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["steps"] == 1 and payload["output_dir"] == str(tmp_path / "cli2")
+    assert (tmp_path / "cli2" / "model" / "config.json").is_file()
+    assert main(["finetune", str(path), "--set", "train.stepz=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: r.yaml: unknown key 'train.stepz'"

@@ -1,0 +1,251 @@
+"""Fine-tuning recipes: a YAML file, validated once, with `--set key=value` overrides.
+
+A recipe names the model, the data, what trains and how, evaluation, checkpointing and the
+output directory. Every section forbids unknown keys and checks types, so a typo fails before
+any work starts, with a one-line message naming the key (``load_recipe`` raises ValueError).
+
+    model:      {path: CONVERTED_MLA_DIR}  or  {source: SRC, convert: {ConvertOptions fields}}
+    data:       train/eval texts, sequence length, documents and packing
+    train:      trainable parameters, steps or a token budget, batch, accumulation, precision
+    optimizer:  AdamW settings;  schedule: constant | cosine | linear with warmup
+    eval:       every N steps on held-out text (transmla.eval.perplexity protocol)
+    checkpoint: every N steps, how many to keep, resume
+    output_dir: where everything goes (relative paths: relative to the current directory)
+
+Overrides: ``--set output_dir=DIR``, ``--set train.steps=50``, ``--set model.convert.kv_budget=0.5``;
+the value is read as a YAML scalar (``50`` an int, ``2e-4`` a float, ``true`` a bool,
+``null`` None, ``[0.9, 0.95]`` a list) and then validated like the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from ..convert.options import ConvertOptions
+
+__all__ = [
+    "CheckpointSpec",
+    "DataSpec",
+    "EvalSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "Recipe",
+    "ScheduleSpec",
+    "TrainSpec",
+    "apply_overrides",
+    "load_recipe",
+    "parse_recipe",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _convert_settings_model() -> type[BaseModel]:
+    """A strict pydantic model with exactly the fields (and types, defaults) of ConvertOptions."""
+    hints = typing.get_type_hints(ConvertOptions)
+    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(ConvertOptions) if f.name != "force"}
+    return create_model("ConvertSettings", __config__=ConfigDict(extra="forbid", coerce_numbers_to_str=True), **fields)
+
+
+ConvertSettings = _convert_settings_model()
+
+
+class ModelSpec(_Strict):
+    """A converted MLA checkpoint (``path``), or a source plus conversion settings run first."""
+
+    path: str | None = None  # a converted MLA folder
+    source: str | None = None  # a source model (folder, .gguf, hub id, 'smollm2-135m')
+    convert: ConvertSettings | None = None  # type: ignore[valid-type]  # run into output_dir/converted
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "ModelSpec":
+        if (self.path is None) == (self.source is None):
+            raise ValueError("give exactly one of model.path (a converted MLA checkpoint) or model.source")
+        if self.path is not None and self.convert is not None:
+            raise ValueError("model.convert applies to model.source, not to an already converted model.path")
+        if self.source is not None and self.convert is None:
+            raise ValueError("model.source needs model.convert settings (e.g. {method: transmla, kv_budget: 0.25})")
+        return self
+
+
+class DataSpec(_Strict):
+    """Training and held-out text; documents are packed without attention across them."""
+
+    train: str = "wiki"  # built-in 'wiki'/'lee', a local .txt/.jsonl file, or a datasets spec
+    train_part: Literal["calib", "eval", "all"] = "calib"  # which part of a built-in text
+    text_field: str = "text"  # JSONL / datasets field
+    # How a text splits into documents: "auto" (JSONL rows; else " = Title = " headings when the
+    # text has them; else blank-line paragraphs), "headings", "paragraphs", "none" (one document).
+    documents: Literal["auto", "headings", "paragraphs", "none"] = "auto"
+    seq_len: int = Field(256, ge=2)
+    # true: documents packed end to end into full sequences, each attending only within itself
+    # (block-diagonal causal mask, positions restart per document); false: every sequence holds
+    # one document's piece, padded at the end.
+    packing: bool = True
+    min_document_tokens: int = Field(2, ge=2)  # shorter documents are dropped
+    max_sequences: int | None = Field(None, ge=1)  # cap on the packed training sequences (smoke runs)
+
+
+class TrainSpec(_Strict):
+    """What trains and for how long."""
+
+    trainable: Literal["all", "attention", "mla"] = "mla"  # mla: q_proj|q_a/q_b, kv_a_proj, kv_a_norm, kv_b_proj
+    steps: int | None = Field(None, ge=1)  # optimizer steps, or:
+    tokens: int | None = Field(None, ge=1)  # a training-token budget (rounded up to whole steps)
+    micro_batch_size: int = Field(1, ge=1)  # sequences per forward pass (per process)
+    grad_accum: int = Field(1, ge=1)  # forward passes per optimizer step
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast; trainable weights and AdamW state stay fp32
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
+    recompute_kv: bool = False  # MLA: recompute the K/V up-projection (and attention) in the backward pass
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # under `accelerate launch` the launcher decides
+    threads: int | None = Field(None, ge=1)  # torch CPU threads (None: torch's default)
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainSpec":
+        if (self.steps is None) == (self.tokens is None):
+            raise ValueError("give exactly one of train.steps or train.tokens")
+        return self
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)  # applied to matrices only (not norms, biases)
+    grad_clip: float | None = Field(1.0, gt=0)  # max global grad norm; null: no clipping
+
+
+class ScheduleSpec(_Strict):
+    kind: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)  # linear warmup from 0
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine/linear decay to lr * min_lr_ratio
+
+
+class EvalSpec(_Strict):
+    """Held-out perplexity (non-overlapping windows, transmla.eval.perplexity)."""
+
+    data: str | None = "wiki"  # null: no evaluation
+    part: Literal["calib", "eval", "all"] = "eval"
+    text_field: str = "text"
+    every: int = Field(0, ge=0)  # steps between evaluations; 0: only before and after training
+    seq_len: int = Field(512, ge=2)
+    windows: int = Field(8, ge=1)  # windows during training
+    final_windows: int | None = Field(32, ge=1)  # windows at the start and the end (null: all)
+    at_start: bool = True  # evaluate the model before training too
+    batch_size: int = Field(4, ge=1)
+
+
+class CheckpointSpec(_Strict):
+    every: int = Field(0, ge=0)  # steps between checkpoints; 0: none (the final model is always saved)
+    keep: int = Field(2, ge=1)  # newest checkpoints kept
+    resume: str = "auto"  # auto: the newest checkpoint in output_dir/checkpoints; never; or a checkpoint folder
+
+
+class Recipe(_Strict):
+    model: ModelSpec
+    data: DataSpec = DataSpec()
+    train: TrainSpec
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    eval: EvalSpec = EvalSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    output_dir: Path
+    save_dtype: Literal["fp32", "bf16", "fp16"] | None = None  # final model dtype (None: fp32, or bf16 under bf16)
+    notes: str | None = None  # free text carried into the output (what this recipe should reach)
+
+    def total_steps(self, world_size: int = 1) -> int:
+        """Optimizer steps: train.steps, or the token budget over tokens per step."""
+        if self.train.steps is not None:
+            return self.train.steps
+        per_step = self.data.seq_len * self.train.micro_batch_size * self.train.grad_accum * world_size
+        return max(1, math.ceil(self.train.tokens / per_step))
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=False)
+
+
+# --- overrides ---------------------------------------------------------------------------------
+
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """A copy of ``data`` with each ``key=value`` set (dotted keys reach nested sections)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not _KEY.match(key):
+            raise ValueError(f"--set: bad key {key!r} (dotted names, e.g. train.steps)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {key}: value {raw!r} is not a YAML scalar ({e.problem})") from None
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ValueError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def _describe(err: dict, source: str) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{source}: unknown key {loc!r}"
+    if kind == "missing":
+        return f"{source}: missing key {loc!r}"
+    msg = err["msg"].removeprefix("Value error, ")
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) or given is None else f" (got {given!r})"
+    return f"{source}: {loc + ': ' if loc else ''}{msg}{shown}"
+
+
+def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
+    """Validate a recipe dict; ValueError with one line naming every bad key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a recipe is a YAML mapping of sections, got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise ValueError("; ".join(_describe(err, source) for err in e.errors())) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe, apply ``--set`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such recipe: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML{where}") from None
+    return parse_recipe(apply_overrides(data or {}, overrides), source=path.name)

@@ -1,0 +1,576 @@
+"""The fine-tuning loop (accelerate): one GPU, several through `accelerate launch`, or the CPU.
+
+    output_dir/
+      recipe.yaml            the resolved recipe (overrides applied)
+      converted/             the conversion, when the recipe names a source (reused if unchanged)
+      checkpoints/step-N/    accelerate state (model, AdamW, schedule, RNG) + trainer state
+      model/                 the fine-tuned model: native MLA format, loadable like any conversion
+      train_log.csv          loss, lr, grad norm, tokens, time per optimizer step
+      eval_log.csv           held-out perplexity per evaluation
+      metrics.json           both logs and the summary;  curves.png  the two curves
+
+One optimizer step = grad_accum forward/backward passes of micro_batch_size packed sequences on
+every process. The loss is the mean next-token NLL over the step's scored tokens (labels that
+cross a document boundary are dropped, see data.py). The data order is a function of
+(seed, step), and a checkpoint holds everything else, so a resumed run repeats the losses of an
+uninterrupted one exactly (tested on the CPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from ..progress import stderr_console
+from .data import IGNORE, PackedSequences, StepSampler, document_token_ids, load_documents, pack_documents
+from .recipe import Recipe
+
+__all__ = ["FinetuneResult", "run_finetune", "select_trainable", "TRAINABLE_PATTERNS", "lr_factor"]
+
+# Which parameters train, by name. "mla": the projections the conversion created or changed
+# (query, latent down-projection with the shared rope key, latent norm, K/V up-projection).
+TRAINABLE_PATTERNS: dict[str, str] = {
+    "all": r".",
+    "attention": r"\.self_attn\.",
+    "mla": r"\.self_attn\.(q_proj|q_a_proj|q_a_norm|q_b_proj|kv_a_proj|kv_a_norm|kv_b_proj)\.",
+}
+CHECKPOINT_PREFIX = "step-"
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class FinetuneResult:
+    output_dir: str
+    model_dir: str | None  # None when the run stopped before the end
+    completed: bool
+    steps: int  # optimizer steps done (in all runs, resumed ones included)
+    total_steps: int
+    tokens: int  # training tokens consumed (every process, every step)
+    trained_parameters: int
+    total_parameters: int
+    start_perplexity: float | None
+    final_perplexity: float | None
+    eval_tokens: int | None
+    final_loss: float | None
+    wall_seconds: float  # this run only
+    cpu_seconds: float  # this process's CPU time (all threads), this run only
+    tokens_per_second: float | None  # training tokens / wall time of the training steps, this run
+    hardware: str
+    resumed_from: str | None = None
+    converted_dir: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides model/optimizer/schedule/RNG: position and history."""
+
+    step: int = 0
+    tokens: int = 0
+    train_log: list[dict] = field(default_factory=list)
+    eval_log: list[dict] = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+# --- pieces --------------------------------------------------------------------------------------
+
+
+def select_trainable(model: torch.nn.Module, preset: str) -> tuple[int, int]:
+    """Freeze every parameter not matched by the preset; returns (trainable, total) counts."""
+    pattern = re.compile(TRAINABLE_PATTERNS[preset])
+    trainable = total = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(bool(pattern.search(name)))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    if trainable == 0:
+        raise ValueError(f"train.trainable={preset} matches no parameter of this model")
+    return trainable, total
+
+
+def lr_factor(kind: str, step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """LR multiplier for optimizer step ``step`` (0-based): linear warmup, then constant/cosine/linear decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * decay
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _hardware(accelerator) -> str:
+    device = accelerator.device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"{accelerator.num_processes} x {name}, torch {torch.__version__}"
+    threads = torch.get_num_threads()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {threads} threads), torch {torch.__version__}"
+
+
+def _log(accelerator, message: str) -> None:
+    if accelerator.is_main_process:
+        stderr_console.print(message, highlight=False)
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+
+def _converted_dir(recipe: Recipe, accelerator, progress: bool) -> tuple[Path, str | None]:
+    """The MLA checkpoint to train: model.path, or model.source converted into output_dir/converted."""
+    from ..checkpoint.resolve import load_config, resolve_model_dir
+    from ..mla.model import is_mla_config
+
+    spec = recipe.model
+    if spec.path is not None:
+        path = resolve_model_dir(spec.path)
+        if not is_mla_config(load_config(path)):
+            raise ValueError(
+                f"model.path {spec.path} is not a converted MLA checkpoint; "
+                "give model.source and model.convert to convert it first"
+            )
+        return path, None
+    target = recipe.output_dir / "converted"
+    marker = target / "transmla_convert_settings.json"
+    settings = {"source": spec.source, **spec.convert.model_dump(mode="json")}
+    if accelerator.is_main_process:
+        reuse = marker.is_file() and json.loads(marker.read_text()) == settings
+        if reuse:
+            _log(accelerator, f"[dim]reusing the conversion in {target}[/dim]")
+        else:
+            from ..convert.api import convert
+            from ..convert.options import ConvertOptions
+
+            _log(accelerator, f"converting {spec.source} into {target} ({spec.convert.method})")
+            options = ConvertOptions(**spec.convert.model_dump(), force=True)
+            convert(spec.source, target, options, progress=progress)
+            marker.write_text(json.dumps(settings, indent=1))
+    accelerator.wait_for_everyone()
+    return target, str(target)
+
+
+def _load_model(model_dir: Path, recipe: Recipe):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..mla.model import register
+
+    register()
+    load_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model.config.use_cache = False
+    return model, tokenizer
+
+
+def _prepare_model(model, recipe: Recipe) -> tuple[int, int]:
+    from ..mla.recompute import enable_kv_recompute
+
+    counts = select_trainable(model, recipe.train.trainable)
+    for p in model.parameters():  # trainable weights (and so AdamW state) in fp32, always
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    if recipe.train.recompute_kv and enable_kv_recompute(model) == 0:
+        raise ValueError("train.recompute_kv: the model has no MLA attention layer")
+    if recipe.train.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return counts
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def _training_data(recipe: Recipe, tokenizer) -> PackedSequences:
+    d = recipe.data
+    docs = load_documents(d.train, d.train_part, d.text_field, d.documents)
+    ids = document_token_ids(tokenizer, docs)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    packed = pack_documents(ids, d.seq_len, packing=d.packing, pad_id=pad, min_tokens=d.min_document_tokens)
+    if d.max_sequences is not None and len(packed) > d.max_sequences:
+        keep = slice(0, d.max_sequences)
+        packed = PackedSequences(
+            packed.input_ids[keep], packed.segment_ids[keep], packed.position_ids[keep], packed.labels[keep],
+            packed.documents, int((packed.segment_ids[keep] >= 0).sum()),
+        )
+    return packed
+
+
+def _eval_ids(recipe: Recipe, tokenizer) -> torch.Tensor | None:
+    from ..data.texts import load_text
+    from ..eval.perplexity import tokenize_text
+
+    e = recipe.eval
+    if e.data is None:
+        return None
+    return tokenize_text(tokenizer, load_text(e.data, part=e.part, text_field=e.text_field))
+
+
+def _evaluate(model, ids: torch.Tensor, recipe: Recipe, accelerator, windows: int | None) -> list[dict]:
+    """Perplexity on the first ``windows`` windows; with more windows than the in-training count,
+    also the in-training count's number (the same first windows, computed once)."""
+    from ..eval.perplexity import perplexity
+
+    e = recipe.eval
+    n_avail = ids.numel() // e.seq_len
+    n = n_avail if windows is None else min(windows, n_avail)
+    short = min(e.windows, n)
+    ctx = accelerator.autocast() if recipe.train.precision == "bf16" else nullcontext()
+    parts = []
+    with ctx:
+        head = perplexity(model, ids[: short * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False)
+        parts.append(head)
+        if n > short:
+            parts.append(perplexity(model, ids[short * e.seq_len : n * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False))
+    rows = [{"windows": short, "tokens": head.tokens, "nll": head.nll, "perplexity": head.perplexity}]
+    if len(parts) > 1:
+        tokens = sum(p.tokens for p in parts)
+        nll = sum(p.nll * p.tokens for p in parts) / tokens
+        rows.append({"windows": n, "tokens": tokens, "nll": nll, "perplexity": math.exp(nll)})
+    return rows
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and (p / "trainer.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def _resume_dir(recipe: Recipe) -> Path | None:
+    mode = recipe.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        found = _checkpoints(recipe.output_dir / "checkpoints")
+        return found[-1] if found else None
+    path = Path(mode).expanduser()
+    if not (path / "trainer.json").is_file():
+        raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint folder (no trainer.json)")
+    return path
+
+
+def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState) -> Path:
+    root = recipe.output_dir / "checkpoints"
+    final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
+    tmp = root / f".{final.name}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "trainer.json").write_text(json.dumps({"step": state.step, "tokens": state.tokens, "recipe": recipe.dump()}, indent=1, default=str))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in _checkpoints(root)[: -recipe.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# --- outputs -------------------------------------------------------------------------------------
+
+
+def _write_logs(recipe: Recipe, state: TrainerState, summary: dict | None = None) -> None:
+    out = recipe.output_dir
+    for name, rows in (("train_log.csv", state.train_log), ("eval_log.csv", state.eval_log)):
+        if not rows:
+            continue
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with (out / name).open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+    payload = {"summary": summary, "train_log": state.train_log, "eval_log": state.eval_log}
+    (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))
+    plot_curves(state.train_log, state.eval_log, out / "curves.png", title=recipe.notes)
+
+
+def plot_curves(train_log: list[dict], eval_log: list[dict], path: Path, title: str | None = None) -> None:
+    """Training loss and held-out perplexity against optimizer steps (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if train_log:
+        steps = [r["step"] for r in train_log]
+        loss = [r["loss"] for r in train_log]
+        ax1.plot(steps, loss, lw=0.6, alpha=0.5, label="per step")
+        k = max(1, len(loss) // 30)
+        smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
+        ax1.plot(steps, smooth, lw=1.5, label=f"mean of {k}")
+        ax1.set_xlabel("optimizer step")
+        ax1.set_ylabel("training loss (nats/token)")
+        ax1.legend()
+    by_windows: dict[int, list[dict]] = {}
+    for r in eval_log:
+        by_windows.setdefault(r["windows"], []).append(r)
+    for windows, rows in sorted(by_windows.items()):
+        style = "o-" if len(rows) > 2 else "s"
+        ax2.plot([r["step"] for r in rows], [r["perplexity"] for r in rows], style, label=f"{windows} windows x {rows[0].get('seq_len', '')}")
+    if eval_log:
+        ax2.set_xlabel("optimizer step")
+        ax2.set_ylabel("held-out perplexity")
+        ax2.set_yscale("log")
+        ax2.legend()
+    if title:
+        fig.suptitle(title[:120], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: TrainerState) -> Path:
+    from ..checkpoint.files import copy_tokenizer_files
+
+    out = recipe.output_dir / "model"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        net = accelerator.unwrap_model(model)
+        save_dtype = recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32")
+        if recipe.train.gradient_checkpointing:
+            (getattr(net, "activation_checkpointing_disable", None) or net.gradient_checkpointing_disable)()
+        net.to(SAVE_DTYPES[save_dtype])
+        mla = dict(net.config.mla)
+        mla["method"] = {**mla.get("method", {}), "finetune": {
+            "steps": state.step, "tokens": state.tokens, "trainable": recipe.train.trainable,
+            "data": recipe.data.train, "recipe": recipe.dump(),
+        }}
+        net.config.mla = mla
+        net.config.use_cache = True
+        shutil.rmtree(out, ignore_errors=True)
+        net.save_pretrained(out, safe_serialization=True)
+        if not copy_tokenizer_files(model_dir, out):
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    accelerator.wait_for_everyone()
+    return out
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+
+def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: bool = True) -> FinetuneResult:
+    """Train as the recipe says; ``stop_after`` ends this run after that many optimizer steps in
+    total (a checkpoint is written there), as an interruption would."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    threads = torch.get_num_threads()
+    try:
+        return _run(recipe, stop_after, progress)
+    finally:
+        torch.set_num_threads(threads)
+        if PartialState().num_processes == 1:  # let a later run in this process pick other settings
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+
+
+def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResult:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    t_wall, t_cpu = time.perf_counter(), time.process_time()
+    tr = recipe.train
+    if tr.threads:
+        torch.set_num_threads(tr.threads)
+    if tr.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device is cuda, but no CUDA GPU is available")
+    accelerator = Accelerator(
+        cpu=tr.device == "cpu", mixed_precision="bf16" if tr.precision == "bf16" else "no",
+        step_scheduler_with_optimizer=False,
+    )
+    set_seed(tr.seed)
+    out = recipe.output_dir
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.dump(), sort_keys=False))
+
+    model_dir, converted = _converted_dir(recipe, accelerator, progress)
+    model, tokenizer = _load_model(model_dir, recipe)
+    trainable, total = _prepare_model(model, recipe)
+    data = _training_data(recipe, tokenizer)
+    eval_ids = _eval_ids(recipe, tokenizer)
+    world = accelerator.num_processes
+    total_steps = recipe.total_steps(world)
+    B, A = tr.micro_batch_size, tr.grad_accum
+    sampler = StepSampler(len(data), B * A * world, seed=tr.seed)
+    _log(accelerator, (
+        f"model {model_dir} | trainable {trainable:,} of {total:,} parameters ({tr.trainable}) | "
+        f"{len(data)} sequences x {recipe.data.seq_len} tokens from {data.documents} documents | "
+        f"{total_steps} steps x {B * A * world} sequences = {total_steps * B * A * world * recipe.data.seq_len:,} tokens | "
+        f"{_hardware(accelerator)}"
+    ))
+
+    opt = recipe.optimizer
+    optimizer = torch.optim.AdamW(
+        _param_groups(model, opt.weight_decay), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+        foreach=accelerator.device.type == "cuda",
+    )
+    sch = recipe.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(sch.kind, s, total_steps, sch.warmup_steps, sch.min_lr_ratio)
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainerState()
+    accelerator.register_for_checkpointing(scheduler, state)
+
+    resume = _resume_dir(recipe)
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
+
+    def evaluate(windows: int | None, tag: str) -> dict | None:
+        if eval_ids is None:
+            return None
+        row = None
+        if accelerator.is_main_process:
+            net = accelerator.unwrap_model(model)
+            for r in _evaluate(net, eval_ids, recipe, accelerator, windows):
+                row = {"step": state.step, "tokens": state.tokens, "tag": tag, "seq_len": recipe.eval.seq_len, **r}
+                state.eval_log.append(row)
+            _log(accelerator, f"step {state.step}: held-out perplexity {row['perplexity']:.3f} ({row['windows']} windows, {tag})")
+        accelerator.wait_for_everyone()
+        return row
+
+    if state.step == 0 and recipe.eval.at_start and not state.eval_log:
+        evaluate(recipe.eval.final_windows, "start")
+
+    device = accelerator.device
+    train_wall = 0.0
+    train_tokens = 0
+    model.train()
+    interrupted = False
+    try:
+        while state.step < total_steps and (stop_after is None or state.step < stop_after):
+            t0 = time.perf_counter()
+            idx = sampler.indices(state.step).view(A, world, B)[:, accelerator.process_index]  # [A, B]
+            batches = [data.batch(i) for i in idx]
+            scored = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+            loss_sum = 0.0
+            for a, batch in enumerate(batches):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                sync = nullcontext() if a == A - 1 else accelerator.no_sync(model)
+                with sync, accelerator.autocast():
+                    logits = model(
+                        input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                        attention_mask=batch["attention_mask"], use_cache=False,
+                    ).logits  # [B, T, V]
+                    nll = F.cross_entropy(
+                        logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
+                    )
+                    accelerator.backward(nll / max(1, scored))
+                loss_sum += nll.item()
+            grad_norm = None
+            if opt.grad_clip is not None:
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_tokens = B * A * world * recipe.data.seq_len
+            state.step += 1
+            state.tokens += step_tokens
+            dt = time.perf_counter() - t0
+            train_wall += dt
+            train_tokens += step_tokens
+            loss = loss_sum / max(1, scored)
+            state.train_log.append({
+                "step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "seconds": dt, "epoch": round(sampler.epoch(state.step), 4),
+            })
+            if state.step % tr.log_every == 0 or state.step == 1:
+                _log(accelerator, (
+                    f"step {state.step}/{total_steps} loss {loss:.4f} lr {lr:.3g} "
+                    f"grad-norm {grad_norm if grad_norm is None else round(grad_norm, 3)} "
+                    f"{train_tokens / train_wall:,.0f} tok/s"
+                ))
+            if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < total_steps:
+                evaluate(recipe.eval.windows, "train")
+            if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0:
+                _save_checkpoint(accelerator, recipe, state)
+    except KeyboardInterrupt:
+        interrupted = True
+        _log(accelerator, f"interrupted: saving a checkpoint at step {state.step}")
+
+    resumed = str(resume) if resume is not None else None
+    done = state.step >= total_steps and not interrupted
+    if not done:
+        if recipe.checkpoint.every == 0 or state.step % recipe.checkpoint.every:
+            _save_checkpoint(accelerator, recipe, state)
+        if accelerator.is_main_process:
+            _write_logs(recipe, state)
+        if interrupted:
+            raise KeyboardInterrupt
+        final = None
+    else:
+        final = evaluate(recipe.eval.final_windows, "final")
+    start_row = next((r for r in state.eval_log if r["tag"] == "start" and (final is None or r["windows"] == final["windows"])), None)
+    last_loss = state.train_log[-1]["loss"] if state.train_log else None
+    result = FinetuneResult(
+        output_dir=str(out),
+        model_dir=None,
+        completed=done,
+        steps=state.step,
+        total_steps=total_steps,
+        tokens=state.tokens,
+        trained_parameters=trainable,
+        total_parameters=total,
+        start_perplexity=start_row["perplexity"] if start_row else None,
+        final_perplexity=final["perplexity"] if final else None,
+        eval_tokens=final["tokens"] if final else None,
+        final_loss=last_loss,
+        wall_seconds=0.0,
+        cpu_seconds=0.0,
+        tokens_per_second=train_tokens / train_wall if train_wall else None,
+        hardware=_hardware(accelerator),
+        resumed_from=resumed,
+        converted_dir=converted,
+    )
+    if done:
+        result.model_dir = str(_save_model(accelerator, model, recipe, model_dir, state))
+    result.wall_seconds = time.perf_counter() - t_wall
+    result.cpu_seconds = time.process_time() - t_cpu
+    if accelerator.is_main_process:
+        _write_logs(recipe, state, result.to_dict())
+    accelerator.end_training()
+    return result
