@@ -388,15 +388,16 @@ def render_sweep_markdown(sweep: Mapping[str, Any], plot: str | None = None) -> 
     env = sweep["environment"]
     p = sweep["protocol"]
     header = ["method", "setting", "budget", "KV el./token/layer", "cache fraction", "R (d_c)", "r (d_rope)",
-              "perplexity", "vs source", "convert s", "eval s"]
+              "perplexity", "vs source", "convert s (CPU s)", "eval s (CPU s)"]
     rows = [["source", src["attention"], "1", str(src["kv_elements_per_token_per_layer"]), "1", "–", "–",
-             _ppl(src["perplexity"]), "", "", _fmt_s(src.get("eval_seconds"))]]
+             _ppl(src["perplexity"]), "", "", _fmt_s(src.get("eval_seconds"), src.get("eval_cpu_seconds"))]]
     for r in sweep["rows"]:
         rows.append([
             r["method"], r.get("setting") or "default", f"{r['budget']:g}", str(r["kv_elements_per_token_per_layer"]),
             f"{r['cache_fraction']:.4g}", str(r.get("kv_lora_rank", "–")), str(r.get("qk_rope_head_dim", "–")),
             _ppl(r["perplexity"]), f"x{r['perplexity'] / src['perplexity']:.2f}",
-            _fmt_s(r.get("convert_seconds")), _fmt_s(r.get("eval_seconds")),
+            _fmt_s(r.get("convert_seconds"), r.get("convert_cpu_seconds")),
+            _fmt_s(r.get("eval_seconds"), r.get("eval_cpu_seconds")),
         ])
     parts = [
         f"# KV-budget sweep: {sweep['source_model']}",
@@ -414,14 +415,17 @@ def render_sweep_markdown(sweep: Mapping[str, Any], plot: str | None = None) -> 
     parts += [
         f"Machine: {env['machine']}" + (f", GPU {env['gpu']}" if env.get("gpu") else "")
         + f"; Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; {env['date']}. "
-        "Wall times are for this machine (shared with other jobs when measured).",
+        "Times: wall seconds, and in brackets the CPU seconds of this process (all its threads); the CPU was shared "
+        "with other jobs while measured, so wall times are inflated.",
         "",
     ]
     return "\n".join(parts)
 
 
-def _fmt_s(x: float | None) -> str:
-    return "" if x is None else f"{x:,.0f}"
+def _fmt_s(x: float | None, cpu: float | None = None) -> str:
+    if x is None:
+        return ""
+    return f"{x:,.0f}" + (f" ({cpu:,.0f})" if cpu is not None else "")
 
 
 # --- files ----------------------------------------------------------------------------------

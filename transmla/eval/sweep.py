@@ -23,7 +23,7 @@ import torch
 from ..progress import progress_bar, stderr_console
 from . import report as rep
 
-__all__ = ["EvalSettings", "compare_report", "evaluate_model", "parse_budgets", "sweep"]
+__all__ = ["EvalSettings", "compare_report", "evaluate_model", "options_for", "parse_budgets", "sweep", "write_sweep"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,16 +80,17 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
         own = tokenize_text(tokenizer, load_text(settings.data, part="eval", text_field=settings.text_field))  # [N]
         if ids is not None and not torch.equal(own, ids):
             raise ValueError(f"{spec} tokenizes the text differently from the model it is compared with")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = perplexity(net, own, seq_len=settings.seq_len, max_windows=settings.max_windows,
                             stride=settings.stride, batch_size=settings.batch_size, progress=settings.progress)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
         measured = None
         if settings.measure_tokens > 0:
             prompt = own[: max(1, min(settings.prompt_tokens, own.numel()))]  # [P]
             measured = measure_cache(net, prompt, settings.measure_tokens).to_dict()
         kv = kv_summary(net.config, dtype, settings.context)
         entry = rep.model_entry(str(spec), role, kv, result.to_dict(), measured, seconds)
+        entry["eval_cpu_seconds"] = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
         if kv.get("method") is None and kv["attention"] == "MLA":
             entry["method"] = "mla"
         return Evaluated(entry, own, result.to_dict())
@@ -163,10 +164,11 @@ def _setting_label(method: str, overrides: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _options(method: str, budget: float, overrides: Mapping[str, Any]):
+def options_for(method: str, budget: float, overrides: Mapping[str, Any] | None = None):
+    """The ConvertOptions of one sweep point (the sweep defaults, then the user's settings)."""
     from ..convert.options import ConvertOptions
 
-    return ConvertOptions(method=method, kv_budget=budget, force=True, **method_overrides(method, overrides))
+    return ConvertOptions(method=method, kv_budget=budget, force=True, **method_overrides(method, overrides or {}))
 
 
 def sweep(
@@ -234,10 +236,10 @@ def sweep(
     for method, budget in progress_bar(tasks, "budgets", enabled=settings.progress):
         target = models_dir / f"{method}-{budget:g}"
         stderr_console.print(f"[bold]sweep[/bold]: {method} at {budget:g} of the source KV cache -> {target}")
-        options = _options(method, budget, overrides)
-        start = time.perf_counter()
+        options = options_for(method, budget, overrides)
+        start, cpu = time.perf_counter(), time.process_time()
         converted = convert_fn(source, target, options, progress=settings.progress)
-        convert_seconds = time.perf_counter() - start
+        convert_seconds, convert_cpu = time.perf_counter() - start, time.process_time() - cpu
         ev = evaluate_model(target, settings, role="converted", ids=src.ids)
         e = ev.entry
         row = {
@@ -256,7 +258,9 @@ def sweep(
             "kv_bytes_at_context": e.get("kv_bytes_at_context"),
             "measured_cache": e.get("measured_cache"),
             "convert_seconds": convert_seconds,
+            "convert_cpu_seconds": convert_cpu,
             "eval_seconds": e.get("eval_seconds"),
+            "eval_cpu_seconds": e.get("eval_cpu_seconds"),
             "model_dir": str(target) if keep else None,
             "conversion": _conversion_meta(converted),
         }
