@@ -26,9 +26,10 @@ holds that R the result is reused (marked "same_as"), after one check that both 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import itertools
 import json
 import math
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -47,7 +48,13 @@ STRATEGIES = ("high", "low", "uniform", "2norm")
 SVDS = ("joint", "split")
 WEIGHTINGS = ("none", "activation")
 SOURCE_ELEMENTS = 384
-TEXTS = {"wiki": 32, "lee": None}  # max windows (None: all)
+TEXTS = ("wiki", "lee")
+PROTOCOL = (
+    "calibration: 64 x 512 tokens of the wiki calibration part, seed 0, statistics collected once; perplexity: "
+    "token-level exp(mean NLL) over the first N non-overlapping 512-token windows of the evaluation parts "
+    "(wiki: 32 windows = 16,352 scored tokens; lee: its evaluation part holds 29 windows = 14,819 tokens); "
+    "training-free, fp32"
+)
 ANCHOR_MHA2MLA = {0.5: 853.0, 0.25: 5364.0, 0.125: 76568.0}  # public MHA2MLA S_high joint, wiki-test, 32 windows
 ANCHOR_MHA2MLA_2NORM = {0.5: 1545.0, 0.25: 12189.0, 0.125: 79107.0}
 ANCHOR_TRANSMLA = {0.5: 33.18, 0.25: 83.60, 0.125: 258.71}  # public TransMLA best at each budget
@@ -75,17 +82,6 @@ def save_results(data: dict) -> None:
     tmp.replace(JSON_PATH)
 
 
-def machine() -> dict:
-    import transformers
-
-    return {
-        "machine": f"{torch.get_num_threads()}-thread CPU ({platform.processor() or platform.machine()}), shared with other jobs",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -108,16 +104,16 @@ def main_run(args) -> None:
     from transmla.data.calib import calibration_chunks
     from transmla.data.texts import load_text
     from transmla.eval.perplexity import perplexity, tokenize_text
+    from transmla.eval.report import environment
     from transmla.families import attention_geometry
 
     torch.set_num_threads(args.threads)
     data = load_results()
     data.setdefault("settings", {})
     data["meta"] = {
-        **machine(),
+        **environment(),
         "model": "smollm2-135m (SmolLM2-135M-Instruct, built-in GGUF dequantized, fp32)",
-        "protocol": "calibration: 64 x 512 tokens of wiki calib part, seed 0; perplexity: non-overlapping 512-token "
-        "windows, wiki eval part first 32 (16,352 tokens), lee eval part all 29 (14,819 tokens); training-free",
+        "protocol": PROTOCOL,
         "source_kv_elements_per_token_per_layer": SOURCE_ELEMENTS,
     }
     gqa_dir = resolve_model_dir("smollm2-135m")
@@ -127,20 +123,30 @@ def main_run(args) -> None:
         make_mha_copy(gqa_dir, mha_dir, force=True)
     tok = AutoTokenizer.from_pretrained(gqa_dir)
     eval_ids = {name: tokenize_text(tok, load_text(name, part="eval")) for name in TEXTS}
+    # windows wanted per text (capped by what the text holds: lee's evaluation part is 29 windows)
+    wanted = {
+        name: min(n if n is not None else 10**9, eval_ids[name].numel() // 512)
+        for name, n in (("wiki", args.wiki_windows), ("lee", args.lee_windows))
+    }
+
+    def complete(entry: dict | None) -> bool:
+        return entry is not None and all(entry.get(t, {}).get("windows", 0) >= wanted[t] for t in TEXTS)
 
     def evaluate(model) -> dict:
         out = {}
-        for name, windows in TEXTS.items():
+        for name in TEXTS:
             t = time.time()
-            r = perplexity(model, eval_ids[name], seq_len=512, max_windows=windows, progress=False)
+            r = perplexity(model, eval_ids[name], seq_len=512, max_windows=wanted[name], progress=False)
             out[name] = {"perplexity": r.perplexity, "tokens": r.tokens, "windows": r.windows, "seconds": round(time.time() - t, 1)}
         return out
 
-    if "source" not in data:
+    source = data.setdefault("source", {})
+    tag = f"{wanted['wiki']}/{wanted['lee']}"
+    if tag not in source:
         model, _ = load_model(gqa_dir)
-        data["source"] = evaluate(model)
+        source[tag] = evaluate(model)
         save_results(data)
-        log(f"source: {data['source']}")
+        log(f"source ({tag} windows): {source[tag]}")
         del model
     if "mha_copy_check" not in data:
         a, _ = load_model(gqa_dir)
@@ -156,8 +162,7 @@ def main_run(args) -> None:
     stats_path = cache_root() / "bench" / "mha2mla_stats_smollm2.pt"
     config = load_config(gqa_dir)
     if stats_path.is_file():
-        stats = torch.load(stats_path)
-        stats = [LayerStats(**s) for s in stats]
+        stats = [LayerStats(**s) for s in torch.load(stats_path)]
     else:
         calib = calibration_chunks(tok, "wiki", 64, 512, 0)
         t = time.time()
@@ -177,71 +182,75 @@ def main_run(args) -> None:
         cfg = load_config(src_dir)
         geo = attention_geometry(cfg)
         sources = list(source_layers(src_dir, cfg))
-        for select in args.strategies:
-            for svd in SVDS:
-                for weighting in WEIGHTINGS:
-                    todo = []
-                    for budget in BUDGETS:
-                        P = pairs_for(model_name, budget)
-                        k = key(model_name, budget, select, svd, weighting, P)
-                        if k in data["settings"]:
-                            continue
-                        R = mha2mla_budget(SOURCE_ELEMENTS, budget, geo.num_kv_heads, P)
-                        same = twin(data, model_name, select, svd, weighting, P, R)
-                        if same is not None and data.get("same_function_check", {}).get("verified"):
-                            data["settings"][k] = {**data["settings"][same], "model": model_name, "budget": budget, "same_as": same}
-                            save_results(data)
-                            log(f"{k}: same function as {same}, reused")
-                            continue
-                        todo.append((budget, P, R, k))
-                    if not todo:
-                        continue
-                    t0 = time.time()
-                    by_pairs: dict[int, list] = {}
-                    for budget, P, R, k in todo:
-                        by_pairs.setdefault(P, []).append((budget, R, k))
-                    built = {}
-                    for P, items in by_pairs.items():
-                        layers = {k: [] for _, _, k in items}
-                        pair_info = []
-                        for src, st in zip(sources, layer_stats):
-                            pairs = select_pairs(select, geo.num_kv_heads, geo.head_dim, P, st.q_pair_norm, st.k_pair_norm)
-                            pair_info.append(pairs.tolist())
-                            layer = partial_rope(replicate(src), pairs, geo.num_heads, geo.head_dim)
-                            w, b = split_latent(layer)
-                            spec = latent_spectrum(
-                                w, b, key_latent_dims(geo.num_kv_heads, geo.head_dim, P), svd,
-                                st.gram if weighting == "activation" else None,
-                            )
-                            for budget, R, k in items:
-                                f = spec.truncate(R)
-                                layers[k].append((apply_factors(layer, f), f.ranks))
-                        for budget, R, k in items:
-                            built[k] = (budget, P, R, layers[k], pair_info)
-                    convert_s = round(time.time() - t0, 1)
-                    for k, (budget, P, R, layer_list, pair_info) in built.items():
-                        model = assemble_model(src_dir, cfg, [l for l, _ in layer_list], {"name": "mha2mla"})
-                        t = time.time()
-                        res = evaluate(model)
-                        del model
-                        entry = {
-                            "model": model_name, "budget": budget, "select": select, "svd": svd, "weighting": weighting,
-                            "rope_pairs": P, "kv_lora_rank": R, "kv_elements": R + geo.num_kv_heads * 2 * P,
-                            "convert_seconds_all_budgets": convert_s, "eval_seconds": round(time.time() - t, 1), **res,
-                        }
-                        if svd == "split":
-                            entry["rank_k_per_layer"] = [r[0] for _, r in layer_list]
-                        if select == "2norm" and model_name == "gqa":
-                            entry["pairs_per_layer"] = pair_info
-                        data["settings"][k] = entry
-                        same = twin(data, model_name, select, svd, weighting, P, R)
-                        if same is not None and "same_function_check" not in data:
-                            a, b = data["settings"][same]["wiki"]["perplexity"], res["wiki"]["perplexity"]
-                            data["same_function_check"] = {"mha": k, "gqa": same, "wiki": [a, b], "verified": abs(a - b) <= 1e-3 * a}
-                            log(f"same-function check: {data['same_function_check']}")
-                        save_results(data)
-                        log(f"{k}: wiki {res['wiki']['perplexity']:.2f} lee {res['lee']['perplexity']:.2f}")
-                    write_report(data)
+        for select, svd, weighting in itertools.product(args.strategies, SVDS, WEIGHTINGS):
+            todo = []
+            for budget in BUDGETS:
+                P = pairs_for(model_name, budget)
+                k = key(model_name, budget, select, svd, weighting, P)
+                if args.only and not any(fnmatch.fnmatch(k, pat) for pat in args.only):
+                    continue
+                old = data["settings"].get(k)
+                if complete(old) and not (old.get("same_as") and not complete(data["settings"].get(old["same_as"]))):
+                    continue
+                R = mha2mla_budget(SOURCE_ELEMENTS, budget, geo.num_kv_heads, P)
+                same = twin(data, model_name, select, svd, weighting, P, R)
+                if same is not None and complete(data["settings"][same]) and data.get("same_function_check", {}).get("verified"):
+                    data["settings"][k] = {**data["settings"][same], "model": model_name, "budget": budget, "same_as": same}
+                    save_results(data)
+                    log(f"{k}: same function as {same}, reused")
+                    continue
+                todo.append((budget, P, R, k))
+            if not todo:
+                continue
+            t0 = time.time()
+            built = {}
+            for P in sorted({P for _, P, _, _ in todo}):
+                items = [(b, R, k) for b, p, R, k in todo if p == P]
+                layers = {k: [] for _, _, k in items}
+                pair_info = []
+                for src, st in zip(sources, layer_stats):
+                    pairs = select_pairs(select, geo.num_kv_heads, geo.head_dim, P, st.q_pair_norm, st.k_pair_norm)
+                    pair_info.append(pairs.tolist())
+                    layer = partial_rope(replicate(src), pairs, geo.num_heads, geo.head_dim)
+                    w, b = split_latent(layer)
+                    spec = latent_spectrum(
+                        w, b, key_latent_dims(geo.num_kv_heads, geo.head_dim, P), svd,
+                        st.gram if weighting == "activation" else None,
+                    )
+                    for _, R, k in items:
+                        f = spec.truncate(R)
+                        layers[k].append((apply_factors(layer, f), f.ranks))
+                for budget, R, k in items:
+                    built[k] = (budget, P, R, layers[k], pair_info)
+            convert_s = round(time.time() - t0, 1)
+            for k, (budget, P, R, layer_list, pair_info) in built.items():
+                model = assemble_model(src_dir, cfg, [m for m, _ in layer_list], {"name": "mha2mla"})
+                t = time.time()
+                res = evaluate(model)
+                del model
+                entry = {
+                    "model": model_name, "budget": budget, "select": select, "svd": svd, "weighting": weighting,
+                    "rope_pairs": P, "kv_lora_rank": R, "kv_elements": R + geo.num_kv_heads * 2 * P,
+                    "convert_seconds_all_budgets": convert_s, "eval_seconds": round(time.time() - t, 1), **res,
+                }
+                old = data["settings"].get(k)
+                if old is not None and not old.get("same_as"):
+                    entry["earlier"] = {t: old[t] for t in TEXTS if t in old}  # e.g. the 8-window screening
+                if svd == "split":
+                    entry["rank_k_per_layer"] = [r[0] for _, r in layer_list]
+                if select == "2norm" and model_name == "gqa":
+                    entry["pairs_per_layer"] = pair_info
+                data["settings"][k] = entry
+                same = twin(data, model_name, select, svd, weighting, P, R)
+                if same is not None and "same_function_check" not in data:
+                    a, b = data["settings"][same]["wiki"], res["wiki"]
+                    if a["windows"] == b["windows"]:
+                        ok = abs(a["perplexity"] - b["perplexity"]) <= 1e-3 * a["perplexity"]
+                        data["same_function_check"] = {"mha": k, "gqa": same, "wiki": [a["perplexity"], b["perplexity"]], "verified": ok}
+                        log(f"same-function check: {data['same_function_check']}")
+                save_results(data)
+                log(f"{k}: wiki {res['wiki']['perplexity']:.2f} lee {res['lee']['perplexity']:.2f} ({res['wiki']['windows']}/{res['lee']['windows']} windows)")
+            write_report(data)
     write_report(data)
 
 
@@ -260,20 +269,6 @@ def twin(data: dict, model: str, select: str, svd: str, weighting: str, P: int, 
 # -- the report ---------------------------------------------------------------------------------
 
 
-def transmla_results() -> dict:
-    """TransMLA (our method) at the same budgets, from eval/results/transmla_*.json when present."""
-    out = {}
-    for path in sorted(RESULTS.glob("transmla_*.json")):
-        try:
-            out[path.name] = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            continue
-    own = RESULTS / "mha2mla_transmla_baseline.json"
-    if own.is_file():
-        out[own.name] = json.loads(own.read_text())
-    return out
-
-
 def fmt(x) -> str:
     if x is None:
         return "–"
@@ -282,55 +277,86 @@ def fmt(x) -> str:
     return f"{x:.1f}" if x < 1e4 else f"{x:.3g}"
 
 
+FULL = {"wiki": 32, "lee": 29}
+
+
+def is_full(v: dict) -> bool:
+    return all(v.get(t, {}).get("windows", 0) >= FULL[t] for t in TEXTS)
+
+
+def cell(v: dict | None) -> str:
+    if v is None:
+        return "–"
+    mark = "" if is_full(v) else "*"
+    same = " ≡" if v.get("same_as") else ""
+    return f"{fmt(v['wiki']['perplexity'])} / {fmt(v['lee']['perplexity'])}{mark}{same}"
+
+
 def write_report(data: dict) -> None:
     settings = data.get("settings", {})
-    src = data.get("source", {})
-    lines = ["# MHA2MLA on SmolLM2-135M, training-free", ""]
+    source = data.get("source", {})
     meta = data.get("meta", {})
+    lines = ["# MHA2MLA on SmolLM2-135M, training-free", ""]
     lines += [
-        f"Machine: {meta.get('machine', '?')}; torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}. "
-        f"Protocol: {meta.get('protocol', '')}.",
+        f"Machine: {meta.get('machine', '?')}; torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}.",
         "",
-        f"Source model: wiki {fmt(src.get('wiki', {}).get('perplexity'))}, lee {fmt(src.get('lee', {}).get('perplexity'))} "
-        f"(384 cached elements per token per layer).",
+        f"Protocol: {meta.get('protocol', PROTOCOL)}.",
+        "Cells marked * were measured on the first 8 windows of each text only (a screening pass: the",
+        "shared 2-core CPU evaluated about one 512-token window per 12 s, too slow for every cell at full",
+        "length); unmarked cells use 32 wiki windows and all 29 lee windows. ≡: the MHA copy's conversion is",
+        "the same function as the GQA cell with the same P and R (repeated K/V rows span the same latent),",
+        "so that number is reused; one such pair was run both ways and agreed.",
+        "",
+        "Source model (384 cached elements per token per layer), wiki / lee: "
+        + ", ".join(f"{fmt(v['wiki']['perplexity'])} / {fmt(v['lee']['perplexity'])} ({k} windows)" for k, v in sorted(source.items())),
         "",
     ]
     for model, title in (("gqa", "SmolLM2-135M (GQA, 3 key heads)"), ("mha", "MHA copy (9 key heads, same function)")):
         rows = [v for v in settings.values() if v.get("model") == model]
         if not rows:
             continue
-        lines += [f"## {title}", "", "wiki / lee perplexity; cache = R + g*2P elements per token per layer.", ""]
-        head = "| selection | svd | weighting |"
-        sep = "|---|---|---|"
+        g = 3 if model == "gqa" else 9
+        lines += [f"## {title}", "", "wiki / lee perplexity; column header: cache = R + g*2P elements per token per layer.", ""]
+        head, sep = "| selection | svd | weighting |", "|---|---|---|"
         for b in BUDGETS:
             P = pairs_for(model, b)
-            R = round(SOURCE_ELEMENTS * b) - (3 if model == "gqa" else 9) * 2 * P
-            head += f" {int(SOURCE_ELEMENTS * b)} ({R} + {(3 if model == 'gqa' else 9) * 2 * P}) |"
+            R = round(SOURCE_ELEMENTS * b) - g * 2 * P
+            head += f" {round(SOURCE_ELEMENTS * b)} = {R} + {g * 2 * P} (P={P}) |"
             sep += "---|"
         lines += [head, sep]
-        for select in STRATEGIES:
-            for svd in SVDS:
-                for weighting in WEIGHTINGS:
-                    cells = []
-                    for b in BUDGETS:
-                        v = settings.get(key(model, b, select, svd, weighting, pairs_for(model, b)))
-                        cells.append("–" if v is None else f"{fmt(v['wiki']['perplexity'])} / {fmt(v['lee']['perplexity'])}" + (" ≡" if v.get("same_as") else ""))
-                    lines.append(f"| {select} | {svd} | {weighting} | " + " | ".join(cells) + " |")
+        for select, svd, weighting in itertools.product(STRATEGIES, SVDS, WEIGHTINGS):
+            cells = [cell(settings.get(key(model, b, select, svd, weighting, pairs_for(model, b)))) for b in BUDGETS]
+            lines.append(f"| {select} | {svd} | {weighting} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Beside the public peers (wiki-test, 32 windows)", ""]
-    lines += ["| cache | public MHA2MLA S_high joint | public MHA2MLA 2-norm | ours: high joint none | ours: best MHA2MLA setting | public TransMLA |", "|---|---|---|---|---|---|"]
+    lines += ["## Beside the public peers and TransMLA (wiki-test, 32 windows)", ""]
+    lines += [
+        "| cache | public MHA2MLA S_high joint / 2-norm | ours, same setting (high, joint, none) | ours, best MHA2MLA setting | TransMLA (ours) | public TransMLA |",
+        "|---|---|---|---|---|---|",
+    ]
+    tm = transmla_by_budget()
     for b in BUDGETS:
         ours = settings.get(key("gqa", b, "high", "joint", "none", 4))
-        cands = [v for v in settings.values() if v.get("model") == "gqa" and v["budget"] == b]
+        cands = [v for v in settings.values() if v.get("model") == "gqa" and v["budget"] == b and is_full(v)]
         best = min(cands, key=lambda v: v["wiki"]["perplexity"]) if cands else None
         best_s = "–" if best is None else f"{fmt(best['wiki']['perplexity'])} ({best['select']}, {best['svd']}, {best['weighting']})"
+        ours_s = "–" if ours is None else fmt(ours["wiki"]["perplexity"]) + ("" if is_full(ours) else "*")
         lines.append(
-            f"| {int(SOURCE_ELEMENTS * b)} | {fmt(ANCHOR_MHA2MLA[b])} | {fmt(ANCHOR_MHA2MLA_2NORM[b])} | "
-            f"{fmt(None if ours is None else ours['wiki']['perplexity'])} | {best_s} | {fmt(ANCHOR_TRANSMLA[b])} |"
+            f"| {round(SOURCE_ELEMENTS * b)} | {fmt(ANCHOR_MHA2MLA[b])} / {fmt(ANCHOR_MHA2MLA_2NORM[b])} | {ours_s} | {best_s} | "
+            f"{tm.get(b, '–')} | {fmt(ANCHOR_TRANSMLA[b])} |"
         )
     lines.append("")
     MD_PATH.write_text("\n".join(lines) + "\n")
     plot(data)
+
+
+def transmla_by_budget() -> dict:
+    """TransMLA (ours) wiki perplexity by budget, from eval/results/transmla_*.json or our own baseline run."""
+    out = {}
+    own = RESULTS / "mha2mla_transmla_baseline.json"
+    if own.is_file():
+        for row in json.loads(own.read_text()).get("rows", []):
+            out[row["budget"]] = f"{fmt(row['wiki']['perplexity'])} ({row['kv_lora_rank']} + {row['rope_dim']})"
+    return out
 
 
 def plot(data: dict) -> None:
@@ -354,7 +380,7 @@ def plot(data: dict) -> None:
                     ax.plot(xs, [y if y is not None else float("nan") for y in ys], style, marker=marker, label=f"{select}/{svd}/{weighting}", alpha=0.8)
         ax.plot(xs, [ANCHOR_MHA2MLA[b] for b in BUDGETS], "k--", label="public MHA2MLA S_high joint")
         ax.plot(xs, [ANCHOR_TRANSMLA[b] for b in BUDGETS], "k-.", label="public TransMLA")
-        src = data.get("source", {}).get("wiki", {}).get("perplexity")
+        src = data.get("source", {}).get("32/29", {}).get("wiki", {}).get("perplexity")
         if src:
             ax.axhline(src, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -375,6 +401,9 @@ def main() -> None:
     parser.add_argument("--models", default="gqa,mha")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--wiki-windows", type=int, default=32)
+    parser.add_argument("--lee-windows", type=int, default=None, help="default: all (29)")
+    parser.add_argument("--only", action="append", default=[], help="fnmatch pattern on model|budget|select|svd|weighting|P")
     args = parser.parse_args()
     args.models = args.models.split(",")
     args.strategies = args.strategies.split(",")

@@ -338,7 +338,7 @@ def plot(summary: dict, path: Path) -> None:
     if not any(next(iter(by_label[lab].values()))["source"] == "cli" for lab in by_label):
         chosen += [lab for lab in by_label if next(iter(by_label[lab].values()))["source"].startswith("sweep")]
     chosen += [lab for lab in by_label if any(r.get("paper") for r in by_label[lab].values())]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), dpi=110, sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.2), dpi=110, sharey=True)
     for ax, text in zip(axes, TEXTS):
         color_i = 0
         for label in dict.fromkeys(chosen):
@@ -374,10 +374,19 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_title(f"{text}: evaluation part, {'32' if text == 'wiki' else '29'} x 512 tokens", fontsize=10)
         ax.set_xlabel("KV cache kept (fraction of the source's)")
     axes[0].set_ylabel("perplexity (log scale, lower is better)")
+    handles: dict[str, Any] = {}
     for ax in axes:
-        ax.legend(fontsize=7, loc="upper left")
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab.startswith("source model"):
+                continue
+            handles.setdefault(lab, h)
+        src = [(h, lab) for h, lab in zip(*ax.get_legend_handles_labels()) if lab.startswith("source model")]
+        if src:
+            ax.legend(*zip(*src), fontsize=8, loc="lower left")
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle("SmolLM2-135M, training-free conversion: perplexity vs KV cache", fontsize=12)
-    fig.tight_layout()
+    rows_of_legend = math.ceil(len(handles) / 3)
+    fig.tight_layout(rect=(0, 0.035 * rows_of_legend + 0.02, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 

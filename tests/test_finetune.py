@@ -260,7 +260,7 @@ def test_steps_reduce_loss_and_output_reloads(tiny, tmp_path):
 
 def test_resume_continues_identically(tiny, tmp_path):
     common = dict(train={"steps": 6}, eval={"data": None}, checkpoint={"every": 3})
-    full = run_finetune(parse_recipe(_recipe(tiny, tmp_path / "full", **common)), progress=False)
+    run_finetune(parse_recipe(_recipe(tiny, tmp_path / "full", **common)), progress=False)
     part = parse_recipe(_recipe(tiny, tmp_path / "part", **common))
     first = run_finetune(part, stop_after=3, progress=False)
     assert not first.completed and first.steps == 3 and first.model_dir is None

@@ -301,7 +301,7 @@ def test_plan_from_options(tiny_factory):
     config = AutoConfig.from_pretrained(path)
     opts = lambda **kw: ConvertOptions(method="transmla", **kw)  # noqa: E731
     plan = plan_from_options(opts(kv_budget=0.5), config)
-    assert (plan.kv_lora_rank, plan.rope_dim) == (10, 6)
+    assert (plan.kv_lora_rank, plan.rope_dim) == (12, 4)  # r: whole pairs within a third of 16
     with pytest.raises(ValueError, match="either --kv-budget"):
         plan_from_options(opts(kv_budget=0.5, kv_lora_rank=4), config)
     with pytest.raises(ValueError, match="needs --kv-lora-rank"):

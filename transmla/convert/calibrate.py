@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from ..checkpoint.reader import SafetensorsReader
 from ..families import attention_geometry, family_for, rope_inv_freq
 from ..mla.attention import MLAAttention
-from ..mla.config import MLAConfig
 from ..mla.model import build_mla_model, mla_config_for
 from ..progress import progress_bar
 from .layers import MLALayer, SourceAttention

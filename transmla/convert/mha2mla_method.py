@@ -21,6 +21,9 @@ from .partial_rope import STRATEGIES, key_latent_dims, partial_rope, select_pair
 from .replicate import replicate
 from .svd import SVD_MODES, WEIGHTINGS, compress_latent
 
+# MHA2MLA as published scores pairs and whitens on the original model's activations.
+DEFAULT_PROPAGATE = "original"
+
 
 @dataclass(frozen=True)
 class MHA2MLASettings:
@@ -69,7 +72,7 @@ def settings_from_options(geometry, options: ConvertOptions, warn: bool = True) 
     """Validate the CLI options that mha2mla reads; ValueError with one line for a bad setting."""
     if options.rope_dim is not None:
         raise ValueError("--rope-dim is a transmla option; mha2mla keeps --rope-pairs P pairs per key head")
-    if str(options.freqfold) != "1":
+    if str(options.freqfold) != ConvertOptions().freqfold:  # set away from its default
         raise ValueError("--freqfold is a transmla option; mha2mla keeps each pair's own frequency")
     if options.q_lora_rank is not None:
         raise ValueError("--q-lora-rank is not supported by mha2mla (the paper keeps the full query)")
@@ -123,6 +126,7 @@ def mha2mla_layers(
 
     from .calibrate import calibrated_layers
 
+    propagate = options.propagate or DEFAULT_PROPAGATE
     if calib_ids is None:
         from transformers import AutoTokenizer
 
@@ -130,15 +134,15 @@ def mha2mla_layers(
 
         meta["calibration"] = {
             "calib": options.calib, "samples": options.calib_samples, "seq_len": options.calib_seq_len,
-            "seed": options.seed, "propagate": options.propagate,
+            "seed": options.seed, "propagate": propagate,
         }
         tokenizer = AutoTokenizer.from_pretrained(source_dir)
         calib_ids = calibration_chunks(tokenizer, options.calib, options.calib_samples, options.calib_seq_len, options.seed)
     else:
-        meta["calibration"] = {"ids": list(calib_ids.shape), "propagate": options.propagate}
+        meta["calibration"] = {"ids": list(calib_ids.shape), "propagate": propagate}
     layers = calibrated_layers(
         source_dir, config, calib_ids, convert,
-        propagate=options.propagate, pair_norms=settings.needs_pair_norms,
+        propagate=propagate, pair_norms=settings.needs_pair_norms,
         device=options.resolved_device(), progress=progress,
     )
     return layers, meta

@@ -13,7 +13,7 @@ class ConvertOptions:
     rope_dim: int | None = None  # r (d_r), transmla
     rope_pairs: int | None = None  # P per KV head, mha2mla
     kv_budget: float | None = None  # fraction of the source cache
-    freqfold: str = "1"  # an integer or "auto" (transmla)
+    freqfold: str = "auto"  # an integer or "auto" (transmla)
     rope_select: str = "high"  # high | low | uniform | 2norm (mha2mla)
     svd: str = "joint"  # joint | split (mha2mla)
     svd_weighting: str = "none"  # none | activation (mha2mla)
@@ -23,7 +23,7 @@ class ConvertOptions:
     calib_samples: int = 64
     calib_seq_len: int = 512
     seed: int = 0
-    propagate: str = "original"  # calibrate later layers on original | converted earlier layers
+    propagate: str | None = None  # later layers calibrated on original | converted earlier layers (None: the method's default)
     eval_data: str | None = None  # print perplexity after each stage
     # Output.
     dtype: str | None = None  # fp32 | bf16 | fp16 (default: the source's)

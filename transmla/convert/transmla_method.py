@@ -312,7 +312,12 @@ def transmla_layers(
     stage_layers: dict[str, list[MLALayer]] = {"rorope": [], "freqfold": [], "bkv_pca": []}
 
     def convert(i: int, src: SourceAttention, stats) -> MLALayer:
-        out = convert_layer(src, stats.gram, plan, stages=want_stages)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small float64 eigen-problems: a thread pool only adds waiting
+        try:
+            out = convert_layer(src, stats.gram, plan, stages=want_stages)
+        finally:
+            torch.set_num_threads(threads)
         per_layer.append({k: v for k, v in out[1].items() if k != "logit_error_by_fold"})
         if want_stages:
             for name, layer in out[2].items():

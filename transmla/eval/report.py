@@ -64,6 +64,8 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(terse=True),
+        "threads": torch.get_num_threads(),
+        "load_average": round(os.getloadavg()[0], 2),  # > 0 at the start: the machine was shared
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     return env

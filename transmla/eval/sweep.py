@@ -141,16 +141,12 @@ METHOD_OPTIONS = {
     "mha2mla": {"rope_pairs", "rope_select", "svd", "svd_weighting", "propagate"},
 }
 COMMON_OPTIONS = {"calib", "calib_samples", "calib_seq_len", "seed", "dtype", "device"}
-# Settings the sweep uses where the user gives none: every budget must be buildable, and a fixed
-# freqfold of 1 cannot spread few rope pairs over every frequency group at small budgets.
-SWEEP_DEFAULTS = {"transmla": {"freqfold": "auto"}}
 
 
 def method_overrides(method: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The ConvertOptions fields this method gets: the user's, over the sweep defaults."""
+    """The ConvertOptions fields this method gets: the user's settings it understands."""
     allowed = METHOD_OPTIONS.get(method, set()) | COMMON_OPTIONS
-    merged = {**SWEEP_DEFAULTS.get(method, {}), **{k: v for k, v in overrides.items() if v is not None}}
-    return {k: v for k, v in merged.items() if k in allowed}
+    return {k: v for k, v in overrides.items() if v is not None and k in allowed}
 
 
 def _setting_label(method: str, overrides: Mapping[str, Any]) -> str:
@@ -165,7 +161,7 @@ def _setting_label(method: str, overrides: Mapping[str, Any]) -> str:
 
 
 def options_for(method: str, budget: float, overrides: Mapping[str, Any] | None = None):
-    """The ConvertOptions of one sweep point (the sweep defaults, then the user's settings)."""
+    """The ConvertOptions of one sweep point (convert's defaults, then the user's settings)."""
     from ..convert.options import ConvertOptions
 
     return ConvertOptions(method=method, kv_budget=budget, force=True, **method_overrides(method, overrides or {}))

@@ -72,6 +72,9 @@ class FinetuneResult:
     hardware: str
     resumed_from: str | None = None
     converted_dir: str | None = None
+    train_sequences: int = 0  # packed training sequences available
+    epochs: float = 0.0  # passes over them
+
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -565,6 +568,8 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
         hardware=_hardware(accelerator),
         resumed_from=resumed,
         converted_dir=converted,
+        train_sequences=len(data),
+        epochs=round(sampler.epoch(state.step), 4),
     )
     if done:
         result.model_dir = str(_save_model(accelerator, model, recipe, model_dir, state))
