@@ -1,9 +1,10 @@
-"""`transmla bench ...`: speed benchmarks (GPU only). Parses options, calls the library, prints."""
+"""`transmla bench ...`: speed benchmarks. Parses options, calls the library, prints."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,8 +13,9 @@ from rich.table import Table
 from .common import JsonFlag, stdout
 
 bench_app = typer.Typer(
-    help="Speed benchmarks on a CUDA GPU: absorbed-MLA decode (Triton kernel) against the GQA source "
-    "cache (torch SDPA) and the unfused PyTorch path.",
+    help="Speed benchmarks. generate: end-to-end decode tokens/s and peak memory of a converted model "
+    "against its source (CPU or GPU). decode: one layer's absorbed-MLA decode step (Triton kernel) against "
+    "the GQA source cache (torch SDPA) and the unfused PyTorch path (CUDA GPU only).",
     no_args_is_help=True,
 )
 
@@ -42,7 +44,12 @@ def decode(
     as_json: JsonFlag = False,
 ) -> None:
     """Time one decode step of one layer: MLA Triton kernel vs PyTorch reference vs GQA SDPA."""
-    from transmla.eval.decode_bench import BenchUnavailable, DecodeShape, bench_decode, tune_mla_triton
+    from transmla.eval.decode_bench import (
+        BenchUnavailable,
+        DecodeShape,
+        bench_decode,
+        tune_mla_triton,
+    )
 
     try:
         shape = DecodeShape(batch=batch, context=context, heads=heads, kv_lora_rank=kv_lora_rank,
@@ -81,3 +88,54 @@ def decode(
     cfg = next((r.get("config") for r in rows if r["impl"] == "mla_triton"), None)
     if cfg:
         stdout.print(f"kernel config: {cfg}" + (f"; tuned: {tuned['config']}" if tuned else ""))
+
+
+@bench_app.command("generate")
+def generate(
+    model: Annotated[str, typer.Argument(help="Model to benchmark: a folder, .gguf file, built-in name or hub id.")],
+    source: Annotated[str | None, typer.Option(
+        help="Model to compare with; default: the source an MLA model records, when it exists here.")] = None,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together (B).")] = 1,
+    context: Annotated[int, typer.Option(help="Prompt tokens per sequence (T), random ids.")] = 512,
+    new_tokens: Annotated[int, typer.Option(help="Tokens decoded per sequence (N), one step each.")] = 32,
+    dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
+    as_json: JsonFlag = False,
+) -> None:
+    """End-to-end greedy decode: tokens/s, cache bytes and peak memory, MLA model against its source."""
+    from transmla.eval.generate_bench import bench_generate
+
+    try:
+        result = bench_generate(model, source, batch=batch, context=context, new_tokens=new_tokens,
+                                dtype=dtype, device=device, seed=seed, progress=not as_json)
+    except ValueError as exc:
+        _fail(str(exc).strip().splitlines()[0])
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+        return
+    stdout.print(_generate_table(result["rows"]))
+
+
+def _generate_table(rows: list[dict]) -> Table:
+    """One column per model, one line per measure: timings, cache (measured and formula), memory."""
+    r0 = rows[0]
+    table = Table(title=f"generate: B={r0['batch']} T={r0['context']} N={r0['new_tokens']} {r0['dtype']} on {r0['device']}")
+    table.add_column("")
+    for r in rows:
+        table.add_column(Path(r["model"]).name or r["model"], justify="right")
+    mb = lambda v: None if v is None else v / 1e6
+    lines = (
+        ("attention", lambda r: r["attention"]),
+        ("prefill s", lambda r: f"{r['prefill_seconds']:.3f}"),
+        ("decode ms/step", lambda r: f"{r['ms_per_step']:.2f}"),
+        ("decode tokens/s", lambda r: f"{r['decode_tokens_per_second']:.1f}"),
+        ("x source tokens/s", lambda r: _fmt(r.get("speedup_vs_source"), ".2f")),
+        ("cache MB", lambda r: f"{mb(r['cache_bytes']):.3f}"),
+        ("cache MB (formula)", lambda r: f"{mb(r['formula_cache_bytes']):.3f}"),
+        ("x source cache", lambda r: _fmt(r.get("cache_ratio_vs_source"), ".3f")),
+        ("peak memory MB", lambda r: _fmt(mb(r["peak_memory_bytes"]), ".1f")),
+    )
+    for name, cell in lines:
+        table.add_row(name, *(cell(r) for r in rows))
+    return table

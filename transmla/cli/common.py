@@ -5,29 +5,16 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..dtypes import pick_device, torch_dtype  # noqa: F401  (pick_device: re-exported for the commands)
+
 stdout = Console()
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but no CUDA GPU is available")
-    return device
-
-
-def pick_dtype(name: str) -> torch.dtype:
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
-    return DTYPE_NAMES[name]
+pick_dtype = torch_dtype  # the CLI's name for it
 
 
 def emit(data: dict, as_json: bool, title: str) -> None:

@@ -6,16 +6,17 @@ from pathlib import Path
 
 from ..checkpoint.resolve import load_config, resolve_model_dir
 from ..checkpoint.writer import parse_size
+from ..dtypes import torch_dtype
 from ..families import family_for
 from ..mla.model import is_mla_config
 from .methods import get_method
 from .options import ConvertOptions
-from .pipeline import DTYPES, ConvertResult, write_mla_checkpoint
+from .pipeline import ConvertResult, write_mla_checkpoint
 
 
 def convert(source: str, output: str | Path, options: ConvertOptions, progress: bool = True) -> ConvertResult:
-    if options.dtype is not None and options.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.dtype is not None:
+        torch_dtype(options.dtype)  # fail before any work on a bad name
     parse_size(options.max_shard_size)  # fail early on a bad size
     method = get_method(options.method)
     output = Path(output)

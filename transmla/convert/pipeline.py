@@ -10,19 +10,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..checkpoint.files import copy_tokenizer_files
 from ..checkpoint.reader import SafetensorsReader
 from ..checkpoint.writer import ShardedWriter, atomic_output_dir
+from ..dtypes import torch_dtype
 from ..families import attention_geometry, family_for, rope_inv_freq
 from ..mla.config import MLAConfig
 from ..mla.model import mla_config_for
 from ..progress import progress_bar
 from .layers import MLALayer, SourceAttention
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 
 @dataclass
@@ -112,7 +108,7 @@ def write_mla_checkpoint(
     """
     family = family_for(config)
     geo = attention_geometry(config)
-    out_dtype = DTYPES[dtype] if dtype else None
+    out_dtype = torch_dtype(dtype) if dtype else None
     with SafetensorsReader(source_dir) as reader, atomic_output_dir(output, force=force) as tmp:
         writer = ShardedWriter(tmp, max_shard_size)
         attention_names = {n for i in range(geo.num_layers) for n in family.attention_names(config, i).values()}

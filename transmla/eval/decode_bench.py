@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import torch_dtype
+
 __all__ = [
     "BenchUnavailable",
     "DecodeShape",
-    "DTYPES",
     "require_cuda",
     "mla_traffic",
     "gqa_traffic",
@@ -37,7 +38,6 @@ __all__ = [
     "environment_info",
 ]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("mla_triton", "mla_torch_reference", "gqa_sdpa")
 
 
@@ -58,8 +58,7 @@ class DecodeShape:
     dtype: str = "bf16"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        torch_dtype(self.dtype)  # ValueError on a bad name
         for f in ("batch", "context", "heads", "kv_lora_rank", "gqa_kv_heads", "gqa_head_dim", "t_q"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1")
@@ -72,7 +71,7 @@ class DecodeShape:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def elem(self) -> int:

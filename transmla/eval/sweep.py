@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..progress import progress_bar, stderr_console
 from . import report as rep
 
 __all__ = ["EvalSettings", "compare_report", "evaluate_model", "options_for", "parse_budgets", "sweep", "write_sweep"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -46,9 +46,7 @@ class EvalSettings:
     progress: bool = True
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -35,8 +35,16 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from ..dtypes import torch_dtype
 from ..progress import stderr_console
-from .data import IGNORE, PackedSequences, StepSampler, document_token_ids, load_documents, pack_documents
+from .data import (
+    IGNORE,
+    PackedSequences,
+    StepSampler,
+    document_token_ids,
+    load_documents,
+    pack_documents,
+)
 from .recipe import Recipe
 
 __all__ = ["FinetuneResult", "run_finetune", "select_trainable", "TRAINABLE_PATTERNS", "lr_factor"]
@@ -49,7 +57,6 @@ TRAINABLE_PATTERNS: dict[str, str] = {
     "mla": r"\.self_attn\.(q_proj|q_a_proj|q_a_norm|q_b_proj|kv_a_proj|kv_a_norm|kv_b_proj)\.",
 }
 CHECKPOINT_PREFIX = "step-"
-SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -372,7 +379,7 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
         save_dtype = recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32")
         if recipe.train.gradient_checkpointing:
             (getattr(net, "activation_checkpointing_disable", None) or net.gradient_checkpointing_disable)()
-        net.to(SAVE_DTYPES[save_dtype])
+        net.to(torch_dtype(save_dtype))
         mla = dict(net.config.mla)
         mla["method"] = {**mla.get("method", {}), "finetune": {
             "steps": state.step, "tokens": state.tokens, "trainable": recipe.train.trainable,

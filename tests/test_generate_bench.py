@@ -1,0 +1,171 @@
+"""`transmla bench generate`: end-to-end decode speed and cache of an MLA model against its source,
+on tiny random checkpoints (no timing thresholds: only fields, cache bytes and error paths)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from transmla.cli.app import main
+from transmla.eval.generate_bench import bench_generate, find_recorded_source
+
+B, T, N = 2, 16, 4  # batch, context, new tokens: small and fast
+
+ROW_FIELDS = {
+    "model", "attention", "batch", "context", "new_tokens", "dtype", "device", "prefill_seconds",
+    "decode_seconds", "decode_tokens_per_second", "ms_per_step", "kv_elements_per_token_per_layer",
+    "kv_bytes_per_token_per_layer", "layers", "cached_tokens", "cache_bytes", "formula_cache_bytes",
+    "peak_memory_bytes", "decode_mode",
+}
+
+
+def _save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over w0..w95 (the tiny models' vocabulary is 97): load_model wants one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(96)} | {"[UNK]": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny GQA Llama with a tokenizer, its lossless conversion and a compressed (mha2mla, half cache) one."""
+    from conftest import make_tiny_model
+
+    from transmla.convert.api import convert
+    from transmla.convert.options import ConvertOptions
+
+    root = tmp_path_factory.mktemp("genbench")
+    src = root / "src"
+    make_tiny_model("llama", src)
+    _save_word_tokenizer(src)
+    lossless, small = root / "lossless", root / "small"
+    convert(str(src), lossless, ConvertOptions(method="lossless"), progress=False)
+    convert(str(src), small, ConvertOptions(method="mha2mla", kv_budget=0.5), progress=False)
+    return {"src": src, "lossless": lossless, "small": small}
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in this process and capture (exit code, stdout, stderr)."""
+
+    def invoke(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return invoke
+
+
+def _check_row(row: dict, attention: str) -> None:
+    assert ROW_FIELDS <= row.keys()
+    assert row["attention"] == attention
+    assert (row["batch"], row["context"], row["new_tokens"]) == (B, T, N)
+    assert (row["dtype"], row["device"]) == ("fp32", "cpu")
+    assert row["cached_tokens"] == T + N
+    assert row["cache_bytes"] == row["formula_cache_bytes"] > 0
+    assert row["formula_cache_bytes"] == row["kv_bytes_per_token_per_layer"] * row["layers"] * (T + N) * B
+    assert row["decode_tokens_per_second"] > 0 and row["prefill_seconds"] > 0 and row["ms_per_step"] > 0
+    assert row["peak_memory_bytes"] is None  # CPU
+
+
+def test_lossless_against_source(tiny):
+    result = bench_generate(str(tiny["lossless"]), str(tiny["src"]), batch=B, context=T, new_tokens=N, device="cpu")
+    assert {"machine", "torch", "transformers"} <= result["environment"].keys()
+    mla, src = result["rows"]
+    _check_row(mla, "MLA")
+    _check_row(src, "GQA")
+    assert mla["decode_mode"] == "absorbed" and src["decode_mode"] is None
+    assert mla["model"] == str(tiny["lossless"]) and src["model"] == str(tiny["src"])
+    assert mla["speedup_vs_source"] > 0
+    assert mla["cache_ratio_vs_source"] == mla["cache_bytes"] / src["cache_bytes"]
+    assert "speedup_vs_source" not in src
+
+
+def test_compressed_source_found_from_config(tiny):
+    """No --source: the path the conversion recorded is used; a half-budget model caches less."""
+    from transmla.checkpoint.resolve import load_config
+
+    assert find_recorded_source(load_config(tiny["small"])) == str(tiny["src"])
+    result = bench_generate(str(tiny["small"]), batch=B, context=T, new_tokens=N, device="cpu")
+    mla, src = result["rows"]
+    _check_row(mla, "MLA")
+    _check_row(src, "GQA")
+    assert src["model"] == str(tiny["src"])
+    assert mla["cache_ratio_vs_source"] < 1
+
+
+def test_source_alone(tiny):
+    result = bench_generate(str(tiny["src"]), batch=B, context=T, new_tokens=N, device="cpu")
+    assert len(result["rows"]) == 1
+    _check_row(result["rows"][0], "GQA")
+
+
+def test_recorded_source_missing(tiny, tmp_path):
+    """An MLA model whose recorded source is gone needs --source."""
+    import shutil
+
+    moved = tmp_path / "mla"
+    shutil.copytree(tiny["lossless"], moved)
+    cfg_path = moved / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["mla"]["method"]["source"] = str(tmp_path / "gone")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="give --source"):
+        bench_generate(str(moved), batch=B, context=T, new_tokens=N, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch": 0}, "batch must be at least 1"),
+        ({"context": 0}, "context must be at least 1"),
+        ({"new_tokens": 0}, "new_tokens must be at least 1"),
+        ({"dtype": "fp8"}, "dtype must be one of"),
+        ({"context": 250, "new_tokens": 10}, "max_position_embeddings"),
+    ],
+)
+def test_bad_arguments(tiny, kwargs, message):
+    args = {"batch": B, "context": T, "new_tokens": N, "device": "cpu", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        bench_generate(str(tiny["lossless"]), str(tiny["src"]), **args)
+
+
+def test_cli_json_and_table(tiny, cli):
+    code, out, err = cli("bench", "generate", tiny["small"], "--source", tiny["src"], "--batch", B, "--context", T,
+                         "--new-tokens", N, "--device", "cpu", "--json")
+    assert code == 0, err
+    mla, src = json.loads(out)["rows"]
+    assert mla["cache_bytes"] == mla["formula_cache_bytes"] and src["cache_bytes"] == src["formula_cache_bytes"]
+    assert mla["cache_ratio_vs_source"] < 1
+    code, out, err = cli("bench", "generate", tiny["lossless"], "--batch", 1, "--context", 8, "--new-tokens", 2,
+                         "--device", "cpu")
+    assert code == 0, err
+    assert "tokens/s" in out and "MLA" in out and "GQA" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "batch must be at least 1"),
+        (["--dtype", "int4"], "dtype must be one of"),
+    ],
+)
+def test_cli_bad_input(tiny, cli, args, message):
+    code, out, err = cli("bench", "generate", tiny["lossless"], "--source", tiny["src"], "--device", "cpu", *args)
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_cli_missing_path(tmp_path, cli):
+    code, out, err = cli("bench", "generate", tmp_path / "nope", "--device", "cpu")
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "no such file or directory" in lines[0], err
