@@ -21,6 +21,7 @@ from transmla.convert.calibrate import _mla_attention, assemble_model, collect_l
 from transmla.convert.options import ConvertOptions
 from transmla.convert.pipeline import source_layers, write_mla_checkpoint
 from transmla.convert.rope import (
+    auto_fold,
     fold_candidates,
     kept_frequencies,
     logit_error,
@@ -237,7 +238,7 @@ def test_rorope_basis_and_selection():
 
 def test_logit_error_criterion(tiny_factory):
     """Zero when every component stays rope at its own frequency; grows as components lose RoPE;
-    'auto' picks the fold with the least error."""
+    'logit' picks the fold with the least error."""
     _, path = tiny_factory("llama")
     _, srcs, stats = _stats(path)
     src, gram = srcs[0], stats[0].gram
@@ -251,7 +252,7 @@ def test_logit_error_criterion(tiny_factory):
         kept = select_components(rot, pairs, "score", torch.arange(8, 0, -1).double()) if pairs else everything[:0]
         errs.append(logit_error(rot, kept, kept_frequencies(rot, kept, src.inv_freq), src.inv_freq, m.key, m.query))
     assert errs[0] < errs[1] < errs[2]
-    choice, tried = choose_rope(src, m, TransMLAPlan(kv_lora_rank=8, rope_dim=4, freqfold="auto"))
+    choice, tried = choose_rope(src, m, TransMLAPlan(kv_lora_rank=8, rope_dim=4, freqfold="logit", selection="uniform"))
     assert set(tried) == {2, 4} and choice.logit_error == min(tried.values())
 
 
@@ -306,13 +307,21 @@ def test_plan_from_options(tiny_factory):
         plan_from_options(opts(kv_budget=0.5, kv_lora_rank=4), config)
     with pytest.raises(ValueError, match="needs --kv-lora-rank"):
         plan_from_options(opts(kv_lora_rank=4), config)
-    with pytest.raises(ValueError, match="integer or 'auto'"):
+    with pytest.raises(ValueError, match="an integer, 'auto' or 'logit'"):
         plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="x"), config)
     with pytest.raises(ValueError, match="must divide"):
         plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="3"), config)
-    with pytest.raises(ValueError, match="spread evenly"):
-        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="1"), config)
+    # score selection (the default) places any number of rope pairs in any fold
+    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="1"), config).freqfold == 1
+    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="logit"), config).freqfold == "logit"
     with pytest.raises(ValueError, match="q-lora-rank"):
         plan_from_options(opts(kv_lora_rank=8, rope_dim=4, q_lora_rank=0), config)
     assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="Auto"), config).freqfold == "auto"
     assert published_plan(8, 4, 2).selection == "uniform"
+
+
+def test_auto_fold_is_head_dim_over_rope_dim():
+    """--freqfold auto: as many fold groups (d/2F) as kept rope pairs (r/2), F a power of two."""
+    assert [auto_fold(64, r) for r in (128, 64, 48, 32, 24, 16, 8, 2)] == [1, 1, 1, 2, 2, 4, 8, 32]
+    for r in (2, 4, 8, 16, 32, 64):
+        assert (64 // 2) // auto_fold(64, r) == r // 2

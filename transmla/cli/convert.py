@@ -22,7 +22,7 @@ def convert(
     rope_dim: Annotated[int | None, Opt("--rope-dim", "-r", help="transmla: shared rope key dims d_r.")] = None,
     rope_pairs: Annotated[int | None, Opt("--rope-pairs", "-P", help="mha2mla: RoPE pairs kept per KV head.")] = None,
     kv_budget: Annotated[float | None, Opt(help="Fraction of the source KV cache to keep; derives -R/-r.")] = None,
-    freqfold: Annotated[str, Opt(help="transmla: frequencies folded per PCA group, or 'auto' (per layer, least expected logit error).")] = "auto",
+    freqfold: Annotated[str, Opt(help="transmla: frequencies folded per PCA group: an integer, 'auto' (F = head_dim / rope-dim) or 'logit' (per layer, least expected logit error).")] = "auto",
     rope_select: Annotated[str, Opt(help="mha2mla: high | low | uniform | 2norm.")] = "high",
     svd: Annotated[str, Opt(help="mha2mla: joint | split low rank of [K_nope; V].")] = "joint",
     svd_weighting: Annotated[str, Opt(help="mha2mla: none | activation (whiten by input covariance).")] = "none",

@@ -13,7 +13,7 @@ class ConvertOptions:
     rope_dim: int | None = None  # r (d_r), transmla
     rope_pairs: int | None = None  # P per KV head, mha2mla
     kv_budget: float | None = None  # fraction of the source cache
-    freqfold: str = "auto"  # an integer or "auto" (transmla)
+    freqfold: str = "auto"  # an integer, "auto" (F = d/r) or "logit" (transmla)
     rope_select: str = "high"  # high | low | uniform | 2norm (mha2mla)
     svd: str = "joint"  # joint | split (mha2mla)
     svd_weighting: str = "none"  # none | activation (mha2mla)

@@ -30,6 +30,7 @@ from .budget import transmla_budget, validate_transmla_shape
 from .layers import MLALayer, SourceAttention
 from .options import ConvertOptions
 from .rope import (
+    auto_fold,
     check_fold,
     component_scores,
     fold_candidates,
@@ -44,6 +45,7 @@ from .rope import (
 )
 
 DEFAULT_PROPAGATE = "converted"
+FOLD_RULES = ("auto", "logit")
 
 
 @dataclass
@@ -52,15 +54,15 @@ class TransMLAPlan:
 
     kv_lora_rank: int  # R = d_c
     rope_dim: int  # r = d_r (whole pairs)
-    freqfold: int | str = "auto"  # F, or "auto": per layer, the F with the least expected logit error
-    selection: str = "uniform"  # uniform (published: same count per fold group) | score
+    freqfold: int | str = "auto"  # F; "auto": F = d/r (rope.auto_fold); "logit": per layer, least expected logit error
+    selection: str = "score"  # score (ours: top components by expected score change) | uniform (published)
     frequencies: str = "published"  # published | weighted (frequency of a folded component)
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
     balance: bool = True  # BKV
     centre: bool = False  # PCA of the covariance (means restored exactly) instead of the second moment
     q_lora_rank: int | None = None
     context: int = 512  # relative distances the logit criterion averages over
-    max_fold: int = 8  # largest F tried by "auto"
+    max_fold: int = 8  # largest F tried by "logit"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +75,8 @@ def published_plan(kv_lora_rank: int, rope_dim: int, freqfold: int) -> TransMLAP
 
 
 def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto", q_lora_rank: int | None = None) -> TransMLAPlan:
-    """Our defaults, chosen by measurement (eval/results/transmla_bench.md)."""
+    """Our defaults, chosen by measurement (eval/results/transmla_bench.md): score selection of the
+    rope components and F = d/r, the best on the dev windows at every budget."""
     return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, q_lora_rank=q_lora_rank)
 
 
@@ -142,11 +145,13 @@ def source_logit_energy(src: SourceAttention, m: "LayerMoments", context: int) -
 
 
 def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tuple[RopeChoice, dict[int, float]]:
-    """The RoRoPE/FreqFold choice for one layer; with freqfold "auto", the fold among
-    fold_candidates with the smallest expected logit error (rope.logit_error). Returns the choice
-    and every tried fold's relative error."""
+    """The RoRoPE/FreqFold choice for one layer: freqfold F, "auto" (F = d/r, rope.auto_fold) or
+    "logit" (the fold among fold_candidates with the smallest expected logit error,
+    rope.logit_error). Returns the choice and every tried fold's relative error."""
     d = src.geometry.head_dim
     if plan.freqfold == "auto":
+        folds = [auto_fold(d, plan.rope_dim)]
+    elif plan.freqfold == "logit":
         folds = fold_candidates(d, plan.rope_dim // 2, plan.selection, plan.max_fold)
         if not folds:
             raise ValueError(f"no freqfold fits {plan.rope_dim // 2} rope pairs with {plan.selection} selection")
@@ -230,18 +235,13 @@ def plan_from_options(options: ConvertOptions, config) -> TransMLAPlan:
     geo = attention_geometry(config)
     R, r = resolve_shape(options, config)
     fold: int | str = str(options.freqfold).strip().lower()
-    if fold != "auto":
+    if fold not in FOLD_RULES:
         try:
             fold = int(fold)
         except ValueError:
-            raise ValueError(f"--freqfold must be an integer or 'auto', got {options.freqfold!r}") from None
+            raise ValueError(f"--freqfold must be an integer, 'auto' or 'logit', got {options.freqfold!r}") from None
         check_fold(fold, geo.head_dim)
     plan = default_plan(R, r, fold, options.q_lora_rank)
-    if fold != "auto" and plan.selection == "uniform" and (r // 2) % (geo.head_dim // 2 // fold):
-        raise ValueError(
-            f"--freqfold {fold} with --rope-dim {r}: {r // 2} rope pairs cannot be spread evenly over "
-            f"{geo.head_dim // 2 // fold} fold groups (use a larger fold or 'auto')"
-        )
     if options.q_lora_rank is not None:
         q_out = geo.num_heads * (geo.head_dim + r)
         if not 1 <= options.q_lora_rank <= min(q_out, geo.hidden_size):
