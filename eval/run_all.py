@@ -217,7 +217,7 @@ def transmla_bench_rows() -> tuple[list[dict], dict]:
                                      paper="published" in label))
                 return
             for k, v in node.items():
-                walk(v, path + [str(k)])
+                walk(v, path + str(k).split("/"))  # transmla_bench keys read "final/25%/ours"
         elif isinstance(node, list):
             for i, v in enumerate(node):
                 walk(v, path + [str(v.get("name", i)) if isinstance(v, dict) else str(i)])

@@ -244,7 +244,7 @@ def layers_cached(b: Bench, key: str, build):
     """Converted layers kept on disk (a converted-propagation pass is the expensive part)."""
     path = CACHE / f"layers_{key.replace('/', '_').replace('%', 'pct')}.pt"
     if path.exists():
-        data = torch.load(path)
+        data = torch.load(path, weights_only=False)  # our own cache: MLALayer dataclasses
         return data["layers"], data["infos"]
     start = time.perf_counter()
     layers, infos = build()

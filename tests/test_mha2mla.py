@@ -307,7 +307,8 @@ def test_every_pair_full_rank_reproduces_the_source(tiny_factory, tmp_path, fami
     with torch.no_grad():
         ref = model(ids).logits
     for select, svd in (("uniform", "joint"), ("low", "split")):
-        opts = ConvertOptions(method="mha2mla", rope_pairs=4, kv_lora_rank=g * 8, rope_select=select, svd=svd)
+        opts = ConvertOptions(method="mha2mla", rope_pairs=4, kv_lora_rank=g * 8, rope_select=select, svd=svd,
+                             svd_weighting="none")  # weight SVD: no calibration, exact at full rank
         out = tmp_path / f"mla-{select}"
         with pytest.warns(UserWarning, match="does not shrink"):
             result = convert(str(path), out, opts, progress=False)
@@ -383,7 +384,7 @@ def test_mha_copy_is_the_same_function(tiny_factory, tmp_path, family, bias):
         ref = model(ids).logits
         torch.testing.assert_close(mha(ids).logits, ref, **TOL)
     # and MHA2MLA of the MHA copy, every pair kept at full rank, is the GQA model too
-    opts = ConvertOptions(method="mha2mla", rope_pairs=4, kv_lora_rank=6 * 8, svd="joint")
+    opts = ConvertOptions(method="mha2mla", rope_pairs=4, kv_lora_rank=6 * 8, svd="joint", svd_weighting="none")
     with pytest.warns(UserWarning, match="does not shrink"):
         convert(str(out), tmp_path / "mla", opts, progress=False)
     with torch.no_grad():

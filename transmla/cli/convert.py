@@ -25,7 +25,7 @@ def convert(
     freqfold: Annotated[str, Opt(help="transmla: frequencies folded per PCA group: an integer, 'auto' (F = head_dim / rope-dim) or 'logit' (per layer, least expected logit error).")] = "auto",
     rope_select: Annotated[str, Opt(help="mha2mla: high | low | uniform | 2norm.")] = "high",
     svd: Annotated[str, Opt(help="mha2mla: joint | split low rank of [K_nope; V].")] = "joint",
-    svd_weighting: Annotated[str, Opt(help="mha2mla: none | activation (whiten by input covariance).")] = "none",
+    svd_weighting: Annotated[str, Opt(help="mha2mla: activation (whiten by the calibration input covariance; far better training-free) | none (weight-only SVD, as published).")] = "activation",
     q_lora_rank: Annotated[int | None, Opt(help="Low-rank query of this rank (PCA).")] = None,
     calib: Annotated[str, Opt(help="Calibration text: wiki | lee | PATH | dataset name.")] = "wiki",
     calib_samples: Annotated[int, Opt(help="Calibration sequences.")] = 64,

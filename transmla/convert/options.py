@@ -16,7 +16,7 @@ class ConvertOptions:
     freqfold: str = "auto"  # an integer, "auto" (F = d/r) or "logit" (transmla)
     rope_select: str = "high"  # high | low | uniform | 2norm (mha2mla)
     svd: str = "joint"  # joint | split (mha2mla)
-    svd_weighting: str = "none"  # none | activation (mha2mla)
+    svd_weighting: str = "activation"  # activation (ours: whiten by the input covariance) | none (published)
     q_lora_rank: int | None = None
     # Calibration.
     calib: str = "wiki"
