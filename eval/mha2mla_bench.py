@@ -338,26 +338,46 @@ def write_report(data: dict) -> None:
     tm = transmla_by_budget()
     for b in BUDGETS:
         ours = settings.get(key("gqa", b, "high", "joint", "none", 4))
-        cands = [v for v in settings.values() if v.get("model") == "gqa" and v["budget"] == b and is_full(v)]
+        cands = [v for v in settings.values() if v.get("model") == "gqa" and v["budget"] == b]
         best = min(cands, key=lambda v: v["wiki"]["perplexity"]) if cands else None
-        best_s = "–" if best is None else f"{fmt(best['wiki']['perplexity'])} ({best['select']}, {best['svd']}, {best['weighting']})"
+        best_s = "–" if best is None else (f"{fmt(best['wiki']['perplexity'])}{'' if is_full(best) else '*'} "
+                                          f"({best['select']}, {best['svd']}, {best['weighting']})")
         ours_s = "–" if ours is None else fmt(ours["wiki"]["perplexity"]) + ("" if is_full(ours) else "*")
         lines.append(
             f"| {round(SOURCE_ELEMENTS * b)} | {fmt(ANCHOR_MHA2MLA[b])} / {fmt(ANCHOR_MHA2MLA_2NORM[b])} | {ours_s} | {best_s} | "
             f"{tm.get(b, '–')} | {fmt(ANCHOR_TRANSMLA[b])} |"
         )
+    lines += [
+        "",
+        "Which wins where, and why: TransMLA wins at every budget, training-free: its wiki perplexity is 6x / 3.4x / 1.5x "
+        "lower than our best MHA2MLA cell at 50 / 25 / 12.5% (those cells are 8-window screenings), and 28x / 70x / "
+        "290x lower than MHA2MLA as published. "
+        "Its RoRoPE rotation concentrates each frequency's key energy across heads before choosing what stays rope, "
+        "and its joint PCA fits the latent to measured activations; MHA2MLA drops RoPE from fixed pairs of every head "
+        "and (as published) fits the latent to the weights alone. Whitening the SVD by the calibration input "
+        "covariance (activation) is the largest single repair of MHA2MLA (4x at 50%, 20x at 25%, 190x at 12.5% on "
+        "the GQA model) and is our default; joint beats split at the small budgets (split spends rank on K and V "
+        "separately and collapses at 12.5%); the four selections differ less than the weighting does. On the MHA copy "
+        "(9 key heads) the rope part costs 3x more cache per pair, so the same budget leaves less latent and every "
+        "cell is worse than on the GQA model.",
+    ]
     lines.append("")
     MD_PATH.write_text("\n".join(lines) + "\n")
     plot(data)
 
 
 def transmla_by_budget() -> dict:
-    """TransMLA (ours) wiki perplexity by budget, from eval/results/transmla_*.json or our own baseline run."""
+    """TransMLA (our defaults) wiki-test perplexity (32 windows) by budget, from eval/results/transmla_bench.json."""
+    path = RESULTS / "transmla_bench.json"
+    if not path.is_file():
+        return {}
+    results = json.loads(path.read_text()).get("results", {})
+    names = {0.5: "50%", 0.25: "25%", 0.125: "12.5%"}
     out = {}
-    own = RESULTS / "mha2mla_transmla_baseline.json"
-    if own.is_file():
-        for row in json.loads(own.read_text()).get("rows", []):
-            out[row["budget"]] = f"{fmt(row['wiki']['perplexity'])} ({row['kv_lora_rank']} + {row['rope_dim']})"
+    for b, name in names.items():
+        row = results.get(f"final/{name}/ours")
+        if row:
+            out[b] = f"{fmt(row['wiki_test_32'])} ({row['plan']['kv_lora_rank']} + {row['plan']['rope_dim']})"
     return out
 
 
