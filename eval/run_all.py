@@ -304,8 +304,13 @@ def render_markdown(summary: dict) -> str:
         "|" + "---|" * len(header),
     ]
     by_label = lines_by_label(summary["rows"])
-    order = sorted(by_label, key=lambda lab: ({"cli": 0, "sweep": 1, "bench:transmla": 2, "bench:mha2mla": 3,
-                                               "public": 4}[next(iter(by_label[lab].values()))["source"]], lab))
+    rank = {"cli": 0, "sweep": 1, "bench:transmla": 2, "bench:mha2mla": 3, "public": 4}
+
+    def kind(label: str) -> str:  # "sweep:<folder>" rows rank as "sweep"
+        source = next(iter(by_label[label].values()))["source"]
+        return "sweep" if source.startswith("sweep") else source
+
+    order = sorted(by_label, key=lambda lab: (rank[kind(lab)], lab))
     for label in order:
         cells = by_label[label]
         from_ = next(iter(cells.values()))["source"]
