@@ -45,6 +45,18 @@ def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: 
     return model
 
 
+def save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over w0..w95 (the tiny models' vocabulary is 97), for tests that load
+    a model folder through the tokenizer as well."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(96)} | {"[UNK]": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+
+
 @pytest.fixture
 def tiny_factory(tmp_path):
     def factory(family="llama", name=None, **kw):

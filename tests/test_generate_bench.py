@@ -4,7 +4,6 @@ on tiny random checkpoints (no timing thresholds: only fields, cache bytes and e
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,21 +20,10 @@ ROW_FIELDS = {
 }
 
 
-def _save_word_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over w0..w95 (the tiny models' vocabulary is 97): load_model wants one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(96)} | {"[UNK]": 96}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny GQA Llama with a tokenizer, its lossless conversion and a compressed (mha2mla, half cache) one."""
-    from conftest import make_tiny_model
+    from conftest import make_tiny_model, save_word_tokenizer
 
     from transmla.convert.api import convert
     from transmla.convert.options import ConvertOptions
@@ -43,7 +31,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("genbench")
     src = root / "src"
     make_tiny_model("llama", src)
-    _save_word_tokenizer(src)
+    save_word_tokenizer(src)
     lossless, small = root / "lossless", root / "small"
     convert(str(src), lossless, ConvertOptions(method="lossless"), progress=False)
     convert(str(src), small, ConvertOptions(method="mha2mla", kv_budget=0.5), progress=False)

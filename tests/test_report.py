@@ -22,22 +22,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SEQ = 32
 
 
-def _save_word_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over w0..w95 (the tiny models' vocabulary is 97)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(96)} | {"[UNK]": 96}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny Llama (GQA: 6 heads, 2 KV heads, head_dim 8) with a tokenizer, its lossless
     conversion, and a text file."""
-    from conftest import make_tiny_model
+    from conftest import make_tiny_model, save_word_tokenizer
 
     from transmla.convert.api import convert
     from transmla.convert.options import ConvertOptions
@@ -45,7 +34,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     src = root / "src"
     make_tiny_model("llama", src)
-    _save_word_tokenizer(src)
+    save_word_tokenizer(src)
     mla = root / "mla"
     convert(str(src), mla, ConvertOptions(method="lossless"), progress=False)
     g = torch.Generator().manual_seed(0)
