@@ -65,3 +65,17 @@ def tiny_factory(tmp_path):
         return model, path
 
     return factory
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in this process and capture (exit code, stdout, stderr)."""
+    from transmla.cli.app import main
+
+    def invoke(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return invoke

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from transmla.cli.app import main
 from transmla.eval.generate_bench import bench_generate, find_recorded_source
 
 B, T, N = 2, 16, 4  # batch, context, new tokens: small and fast
@@ -36,19 +35,6 @@ def tiny(tmp_path_factory):
     convert(str(src), lossless, ConvertOptions(method="lossless"), progress=False)
     convert(str(src), small, ConvertOptions(method="mha2mla", kv_budget=0.5), progress=False)
     return {"src": src, "lossless": lossless, "small": small}
-
-
-@pytest.fixture
-def cli(capsys):
-    """Run the CLI in this process and capture (exit code, stdout, stderr)."""
-
-    def invoke(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return invoke
 
 
 def _check_row(row: dict, attention: str) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from transmla.cli.app import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SEQ = 32
@@ -42,17 +41,6 @@ def tiny(tmp_path_factory):
     text = root / "text.txt"
     text.write_text(" ".join(f"w{(w // 4) * 4 + i % 4}" for i, w in enumerate(words)))
     return {"root": root, "src": src, "mla": mla, "text": text}
-
-
-@pytest.fixture
-def cli(capsys):
-    def invoke(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return invoke
 
 
 def _error_line(err: str) -> str:
