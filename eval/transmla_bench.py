@@ -60,6 +60,7 @@ PUBLISHED_CALIB = (128, 256, 42)
 # at the middle budget; phase_final uses the one with the lowest dev perplexity at every budget.
 OURS_CHOICES = [((128, 256, 42), "original"), ((128, 256, 42), "converted"), ((64, 512, 0), "original"), ((64, 512, 0), "converted")]
 CHOICE_BUDGET = "25%"
+DEV_WINDOWS = 16  # per text in the dev32 set
 
 
 def log(msg: str) -> None:
@@ -80,12 +81,21 @@ class Bench:
         wiki_calib = tokenize_text(self.tok, load_text("wiki", "calib"))
         self.dev_ids = wiki_calib[-8 * SEQ :]  # [4096]
         self.dev_start = wiki_calib.numel() - 8 * SEQ
+        lee_calib = tokenize_text(self.tok, load_text("lee", "calib"))
+        # dev32: 16 windows from the end of the wiki calibration part and the first 16 of the lee
+        # calibration part (never used for calibration: the calibration text is wiki).
+        self.dev32_ids = {"wiki": wiki_calib[-DEV_WINDOWS * SEQ :], "lee": lee_calib[: DEV_WINDOWS * SEQ]}
         self.wiki = tokenize_text(self.tok, load_text("wiki", "eval"))
         self.lee = tokenize_text(self.tok, load_text("lee", "eval"))
 
     # -- cache ---------------------------------------------------------------------------------
     def save(self) -> None:
-        self.results_path.write_text(json.dumps(self.results, indent=1, sort_keys=True))
+        """Write the results, merged with what other bench processes wrote meanwhile (ours win)."""
+        on_disk = json.loads(self.results_path.read_text()) if self.results_path.exists() else {}
+        self.results = {**on_disk, **self.results}
+        tmp = self.results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1, sort_keys=True))
+        tmp.replace(self.results_path)
 
     def cached(self, key: str, fn):
         if key not in self.results:
@@ -172,6 +182,12 @@ class Bench:
     def dev_ppl(self, model) -> float:
         return perplexity(model, self.dev_ids, SEQ, progress=False).perplexity
 
+    def dev32_ppl(self, model) -> dict:
+        """Perplexity on the dev32 windows: each text and both together (pooled NLL)."""
+        res = {name: perplexity(model, ids, SEQ, progress=False) for name, ids in self.dev32_ids.items()}
+        pooled = sum(r.nll * r.tokens for r in res.values()) / sum(r.tokens for r in res.values())
+        return {"ppl": math.exp(pooled), **{name: r.perplexity for name, r in res.items()}}
+
     def final_ppl(self, model) -> dict:
         a = perplexity(model, self.wiki[: 32 * SEQ], SEQ, max_windows=32, progress=False)
         b = perplexity(model, self.wiki[32 * SEQ : 64 * SEQ], SEQ, max_windows=32, progress=False)
@@ -252,8 +268,8 @@ def layers_cached(b: Bench, key: str, build):
     return layers, infos
 
 
-def ours_layers(b: Bench, budget: str, calib: tuple[int, int, int], propagate: str):
-    plan = ours_plan(budget)
+def ours_layers(b: Bench, budget: str, calib: tuple[int, int, int], propagate: str, **overrides):
+    plan = ours_plan(budget, **overrides)
     tag = hashlib.sha1(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()[:8]  # cached layers follow the plan
     key = f"{budget}_{calib[0]}x{calib[1]}_s{calib[2]}_{propagate}_{tag}"
     if propagate == "original":
@@ -278,6 +294,34 @@ def best_choice(b: Bench) -> tuple[tuple[int, int, int], str]:
         return b.results[f"dev/{CHOICE_BUDGET}/ours-{n}x{t}-{propagate}"]["ppl"]
 
     return min(OURS_CHOICES, key=score)
+
+
+# Candidates on the dev32 windows at every budget: (calibration, propagation, plan overrides).
+DEV32_CANDIDATES = {
+    "activation-128x256-original": ((128, 256, 42), "original", {"pca_metric": "activation"}),
+    "attention-128x256-original": ((128, 256, 42), "original", {"pca_metric": "attention"}),
+    "activation-centre-128x256-original": ((128, 256, 42), "original", {"pca_metric": "activation", "centre": True}),
+    "attention-centre-128x256-original": ((128, 256, 42), "original", {"pca_metric": "attention", "centre": True}),
+    "output-128x256-original": ((128, 256, 42), "original", {"pca_metric": "output"}),
+    "activation-64x512-converted": ((64, 512, 0), "converted", {"pca_metric": "activation"}),
+    "attention-64x512-converted": ((64, 512, 0), "converted", {"pca_metric": "attention"}),
+}
+
+
+def phase_dev32(b: Bench, only: str | None = None) -> None:
+    """The published algorithm and our candidates on the dev32 windows (16 wiki + 16 lee)."""
+    n, t, seed = PUBLISHED_CALIB
+    b.cached("dev32/source", lambda: b.dev32_ppl(b.source_model()))
+    for budget, (R, r, fold) in BUDGETS.items():
+        pub = published_plan(R, r, fold)
+        if only in (None, "published"):
+            b.cached(f"dev32/{budget}/published", lambda: b.dev32_ppl(b.model(
+                b.layers_original(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])))
+        for name, (calib, propagate, overrides) in DEV32_CANDIDATES.items():
+            if only is None or only == name:
+                b.cached(f"dev32/{budget}/{name}", lambda: {
+                    **b.dev32_ppl(b.model(ours_layers(b, budget, calib, propagate, **overrides)[0])),
+                    "calibration": list(calib), "propagation": propagate, **overrides})
 
 
 def phase_final(b: Bench) -> None:
@@ -398,6 +442,21 @@ def report(b: Bench) -> None:
                     folds = sorted(set(e.get("freqfold_per_layer", [])))
                     cells.append(f"{e['ppl']:.2f} (F {','.join(map(str, folds))}; err {e['mean_logit_error']:.3f})")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    dev32 = {k: v for k, v in r.items() if k.startswith("dev32/")}
+    if dev32:
+        src32 = dev32.get("dev32/source", {})
+        lines += ["", f"## Dev32: the published algorithm and our candidates ({DEV_WINDOWS} wiki + {DEV_WINDOWS} lee windows)", "",
+                  f"Dev32 = the last {DEV_WINDOWS} windows of the wiki calibration part and the first {DEV_WINDOWS} of the lee "
+                  "calibration part (lee is never used for calibration). Cells: pooled perplexity (wiki / lee). Source: "
+                  + (f"{src32['ppl']:.2f} ({src32['wiki']:.2f} / {src32['lee']:.2f})." if src32 else "–"), "",
+                  "| candidate | " + " | ".join(BUDGETS) + " |", "|---|" + "---|" * len(BUDGETS)]
+        for name in ["published", *DEV32_CANDIDATES]:
+            cells = []
+            for budget in BUDGETS:
+                e = dev32.get(f"dev32/{budget}/{name}")
+                cells.append("–" if e is None else f"{e['ppl']:.2f} ({e['wiki']:.2f} / {e['lee']:.2f})")
+            if any(c != "–" for c in cells):
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
     tm = r.get("time/cli-25%")
     act = r.get("time/activations")
     if not tm:
@@ -448,14 +507,15 @@ def plot(r: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", default="all", choices=["dev", "choices", "final", "time", "report", "all"])
+    parser.add_argument("--phase", default="all", choices=["dev", "dev32", "choices", "final", "time", "report", "all"])
+    parser.add_argument("--only", default=None, help="dev32: run only this candidate (or 'published')")
     args = parser.parse_args()
     torch.manual_seed(0)
     # One thread: on a shared, oversubscribed CPU the small float64 eigen-problems of the
     # conversion run 10-20x slower with a 2-thread OpenMP pool; the forward passes do not gain.
     torch.set_num_threads(int(os.environ.get("TRANSMLA_BENCH_THREADS", "1")))
     b = Bench()
-    phases = {"dev": phase_dev, "choices": phase_choices, "final": phase_final, "time": phase_time, "report": report}
+    phases = {"dev": phase_dev, "dev32": lambda b_: phase_dev32(b_, args.only), "choices": phase_choices, "final": phase_final, "time": phase_time, "report": report}
     for name, fn in phases.items():
         if args.phase in (name, "all"):
             fn(b)

@@ -167,8 +167,8 @@ def test_joint_pca_full_rank_equals_partial_rope(tiny_factory):
     _, path = tiny_factory("qwen2", bias=True)
     config, srcs, stats = _stats(path)
     x = _ids(5)
-    for centre in (False, True):
-        plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=2, centre=centre)
+    for centre, metric in ((False, "activation"), (True, "activation"), (False, "attention"), (True, "attention")):
+        plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=2, centre=centre, pca_metric=metric)
         final, partial = [], []
         for src, st in zip(srcs, stats):
             layer, info, staged = convert_layer(src, st.gram, plan, stages=True)
@@ -181,6 +181,36 @@ def test_joint_pca_full_rank_equals_partial_rope(tiny_factory):
     lossy = TransMLAPlan(kv_lora_rank=5, rope_dim=4, freqfold=2)
     c = assemble_model(path, config, [convert_layer(s, st.gram, lossy)[0] for s, st in zip(srcs, stats)])(x).logits
     assert (c - b).abs().max() > 1e-3
+
+
+def test_attention_metric_lowers_the_error_it_weighs(tiny_factory):
+    """At equal rank the attention-weighted PCA has a smaller expected squared score + output
+    error (the metric's objective, the key block BKV-scaled) than the plain PCA of the activations."""
+    from transmla.convert.bkv import attention_metric
+    from transmla.convert.rope import split_rope
+
+    _, path = tiny_factory("llama")
+    _, srcs, stats = _stats(path)
+    src, gram = srcs[1], stats[1].gram.double()
+    plan = TransMLAPlan(kv_lora_rank=6, rope_dim=4, freqfold=2)
+    m = LayerMoments.of(src, gram)
+    choice, _ = choose_rope(src, m, plan)
+    wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
+    part = split_rope(wq, wk, H, choice.rotation, choice.kept, choice.inv_freq)
+    metric = attention_metric(part.nope_to_head, m.query, src.wo, H)
+    m_k, m_v = metric.key @ metric.key, metric.value @ metric.value
+
+    weighted = joint_pca(part.k_nope, wv, gram, 6, metric=metric)
+    plain = joint_pca(part.k_nope, wv, gram, 6)
+
+    def error(pca):  # E (q . e_k)^2 / alpha^2 + E ||W_o e_v||^2 summed over heads
+        e_k = part.k_nope.double() - pca.up_k @ pca.down
+        e_v = wv.double() - pca.up_v @ pca.down
+        return float(torch.trace(m_k @ e_k @ gram @ e_k.T) / weighted.alpha**2 + torch.trace(m_v @ e_v @ gram @ e_v.T))
+
+    assert error(weighted) < 0.95 * error(plain)
+    with pytest.raises(ValueError, match="pca_metric"):
+        convert_layer(src, gram, TransMLAPlan(kv_lora_rank=6, rope_dim=4, freqfold=2, pca_metric="nope"))
 
 
 def test_bkv_balances_column_norms(tiny_factory):

@@ -11,6 +11,15 @@ coordinates) plus the source V and the calibration gram G = E[[x;1][x;1]^T].
     W_UK[h] = nope_to_head[j] @ (alpha * U_R[K rows]),  W_UV[h] = U_R[V rows of group j].
 
 At R = 2*g*d - r, U_R is square orthogonal: the layer equals the partial-RoPE layer exactly.
+
+Optional attention metric (ours, not in the published method): the PCA above spends its rank on
+what is large in [k_nope; v], not on what the layer uses. A key error e_k changes head h's score
+by q_h . N_j e_k and a value error e_v its output by W_o,h e_v, so weight each block by
+    M_K = sum_h N_j^T E[q_h q_h^T] N_j   (query-weighted keys: expected squared score error)
+    M_V = blockdiag_j sum_{h in j} W_o,h^T W_o,h   (output-weighted values)
+and PCA S Y with S = blockdiag(M_K^(1/2), M_V^(1/2)): min E||S (Y - Y_hat)||^2, Y_hat = S^-1 U U^T S Y.
+BKV balancing is applied to the weighted blocks (equal mean column norms, as published). S is
+invertible (a tiny ridge), so full rank stays exact.
 Optional centring (not in the published method): PCA of the covariance instead of the second
 moment, c = U_R^T (Y - E Y). The K mean only adds q . const to every score of a query (softmax
 drops it); the V mean passes through attention unchanged (weights sum to one) and is folded into
@@ -66,6 +75,47 @@ class JointPCA:
         return float(self.energy[: self.rank].sum()) / total if total > 0 else 1.0
 
 
+@dataclass
+class AttentionMetric:
+    """Square roots of the block weights of the attention metric (module docstring) and their inverses."""
+
+    key: torch.Tensor  # [g*d - r, g*d - r] M_K^(1/2)
+    key_inv: torch.Tensor
+    value: torch.Tensor  # [g*d, g*d] M_V^(1/2)
+    value_inv: torch.Tensor
+
+
+def _sqrt_and_inverse(m: torch.Tensor, ridge: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """M^(1/2) and M^(-1/2) of a symmetric PSD matrix, with a ridge of `ridge` * mean eigenvalue."""
+    m = 0.5 * (m + m.T).double()
+    evals, evecs = torch.linalg.eigh(m)
+    evals = evals.clamp_min(0) + ridge * float(evals.clamp_min(0).mean().clamp_min(1e-300))
+    return (evecs * evals.sqrt()) @ evecs.T, (evecs / evals.sqrt()) @ evecs.T
+
+
+def attention_metric(
+    nope_to_head: torch.Tensor, query_moments: torch.Tensor | None, wo: torch.Tensor, num_heads: int
+) -> AttentionMetric:
+    """The metric of the attention-weighted PCA.
+
+    nope_to_head [g, d, g*d - r] (rope.PartialRope), query_moments [g, d, d] = sum over group j's
+    query heads of E[q_h q_h^T] (None: keys unweighted, M_K = I), wo [D, H*d].
+    """
+    g, d, nn = nope_to_head.shape
+    group = num_heads // g
+    n = nope_to_head.double()
+    if query_moments is None:
+        m_k = torch.eye(nn, dtype=torch.float64)
+    else:
+        m_k = torch.einsum("jda,jde,jeb->ab", n, query_moments.double(), n)  # [g*d - r, g*d - r]
+    wo_heads = wo.double().view(wo.shape[0], num_heads, d)  # [D, H, d]
+    per_head = torch.einsum("xhd,xhe->hde", wo_heads, wo_heads)  # [H, d, d] W_o,h^T W_o,h
+    m_v = torch.block_diag(*per_head.view(g, group, d, d).sum(1))  # [g*d, g*d]
+    key, key_inv = _sqrt_and_inverse(m_k)
+    value, value_inv = _sqrt_and_inverse(m_v)
+    return AttentionMetric(key, key_inv, value, value_inv)
+
+
 def joint_pca(
     k_nope: torch.Tensor,
     wv: torch.Tensor,
@@ -73,22 +123,29 @@ def joint_pca(
     rank: int,
     balance: bool = True,
     centre: bool = False,
+    metric: AttentionMetric | None = None,
 ) -> JointPCA:
-    """Rank-`rank` latent of [k_nope/alpha; v] (k_nope [g*d - r, D+1], wv [g*d, D+1] augmented)."""
-    alpha = bkv_alpha(k_nope, wv, gram) if balance else 1.0
-    w = torch.cat((k_nope.double() / alpha, wv.double()))  # [2gd - r, D+1]
+    """Rank-`rank` latent of [k_nope/alpha; v] (k_nope [g*d - r, D+1], wv [g*d, D+1] augmented),
+    in the attention metric when one is given (module docstring)."""
+    k_w, v_w = k_nope.double(), wv.double()
+    if metric is not None:
+        k_w, v_w = metric.key @ k_w, metric.value @ v_w  # S Y
+    alpha = bkv_alpha(k_w, v_w, gram) if balance else 1.0
+    w = torch.cat((k_w / alpha, v_w))  # [2gd - r, D+1]
     weight = centred_gram(gram) if centre else gram.double()
     fac = low_rank(w, rank, weight)  # up [2gd - r, R], down = up^T w
     down = fac.down.clone()
+    nk = k_nope.shape[0]
+    up_k, up_v = fac.up[:nk] * alpha, fac.up[nk:]
     v_mean = None
     if centre:
         y_mean = w @ gram.double()[:, -1]  # [2gd - r] E Y
         down[:, -1] -= fac.up.T @ y_mean  # c = U^T (Y - E Y)
-        v_mean = y_mean[k_nope.shape[0] :]
-    nk = k_nope.shape[0]
-    return JointPCA(
-        up_k=fac.up[:nk] * alpha, up_v=fac.up[nk:], down=down, alpha=alpha, energy=fac.energy, v_mean=v_mean
-    )
+        v_mean = y_mean[nk:]
+    if metric is not None:  # back from the weighted space: Y_hat = S^-1 U c
+        up_k, up_v = metric.key_inv @ up_k, metric.value_inv @ up_v
+        v_mean = None if v_mean is None else metric.value_inv @ v_mean
+    return JointPCA(up_k=up_k, up_v=up_v, down=down, alpha=alpha, energy=fac.energy, v_mean=v_mean)
 
 
 def identity_latent(k_nope: torch.Tensor, wv: torch.Tensor) -> JointPCA:
@@ -162,4 +219,4 @@ def augmented(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return with_bias_column(w.double(), None if b is None else b.double())
 
 
-__all__ = ["JointPCA", "assemble_layer", "augmented", "bkv_alpha", "centred_gram", "identity_latent", "joint_pca"]
+__all__ = ["AttentionMetric", "JointPCA", "attention_metric", "assemble_layer", "augmented", "bkv_alpha", "centred_gram", "identity_latent", "joint_pca"]

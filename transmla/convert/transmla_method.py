@@ -25,7 +25,7 @@ import torch
 
 from ..families import attention_geometry
 from ..progress import stderr_console
-from .bkv import assemble_layer, augmented, identity_latent, joint_pca
+from .bkv import assemble_layer, attention_metric, augmented, identity_latent, joint_pca
 from .budget import transmla_budget, validate_transmla_shape
 from .layers import MLALayer, SourceAttention
 from .options import ConvertOptions
@@ -60,6 +60,7 @@ class TransMLAPlan:
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
     balance: bool = True  # BKV
     centre: bool = False  # PCA of the covariance (means restored exactly) instead of the second moment
+    pca_metric: str = "activation"  # activation (published: PCA of [K_nope; V]) | attention (query- and output-weighted) | output (V output-weighted), bkv.py
     q_lora_rank: int | None = None
     context: int = 512  # relative distances the logit criterion averages over
     max_fold: int = 8  # largest F tried by "logit"
@@ -179,7 +180,16 @@ def convert_layer(
     choice, tried = choose_rope(src, m, plan)
     wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
     partial = split_rope(wq, wk, geo.num_heads, choice.rotation, choice.kept, choice.inv_freq, choice.nope_scale)
-    latent = joint_pca(partial.k_nope, wv, gram, plan.kv_lora_rank, balance=plan.balance, centre=plan.centre)
+    metric = None
+    if plan.pca_metric in ("attention", "output"):
+        pca_m = m if rope_gram is None else LayerMoments.of(src, gram)
+        query = pca_m.query if plan.pca_metric == "attention" else None
+        metric = attention_metric(partial.nope_to_head, query, src.wo, geo.num_heads)
+    elif plan.pca_metric != "activation":
+        raise ValueError(f"pca_metric must be 'activation', 'attention' or 'output', got {plan.pca_metric!r}")
+    latent = joint_pca(
+        partial.k_nope, wv, gram, plan.kv_lora_rank, balance=plan.balance, centre=plan.centre, metric=metric
+    )
     q_bias = src.bq is not None
     kv_bias = src.bk is not None or src.bv is not None or plan.centre
     layer = assemble_layer(
