@@ -167,7 +167,7 @@ def test_joint_pca_full_rank_equals_partial_rope(tiny_factory):
     _, path = tiny_factory("qwen2", bias=True)
     config, srcs, stats = _stats(path)
     x = _ids(5)
-    for centre, metric in ((False, "activation"), (True, "activation"), (False, "attention"), (True, "attention")):
+    for centre, metric in ((False, "activation"), (True, "activation"), (False, "attention"), (True, "output")):
         plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=2, centre=centre, pca_metric=metric)
         final, partial = [], []
         for src, st in zip(srcs, stats):
@@ -347,7 +347,17 @@ def test_plan_from_options(tiny_factory):
     with pytest.raises(ValueError, match="q-lora-rank"):
         plan_from_options(opts(kv_lora_rank=8, rope_dim=4, q_lora_rank=0), config)
     assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="Auto"), config).freqfold == "auto"
-    assert published_plan(8, 4, 2).selection == "uniform"
+    assert published_plan(8, 4, 2).selection == "uniform" and published_plan(8, 4, 2).pca_metric == "activation"
+
+
+def test_calibration_size_defaults_per_method():
+    from transmla.convert.mha2mla_method import DEFAULT_CALIBRATION as MHA2MLA_CALIB
+    from transmla.convert.transmla_method import DEFAULT_CALIBRATION as TRANSMLA_CALIB
+
+    assert ConvertOptions().calibration_size(TRANSMLA_CALIB) == TRANSMLA_CALIB == (2048, 16)
+    assert ConvertOptions().calibration_size(MHA2MLA_CALIB) == MHA2MLA_CALIB == (64, 512)
+    assert ConvertOptions(calib_samples=16).calibration_size(TRANSMLA_CALIB) == (16, 16)
+    assert ConvertOptions(calib_seq_len=32).calibration_size(MHA2MLA_CALIB) == (64, 32)
 
 
 def test_auto_fold_is_head_dim_over_rope_dim():

@@ -23,6 +23,7 @@ from .svd import SVD_MODES, WEIGHTINGS, compress_latent
 
 # MHA2MLA as published scores pairs and whitens on the original model's activations.
 DEFAULT_PROPAGATE = "original"
+DEFAULT_CALIBRATION = (64, 512)  # sequences x tokens (the ANCHORS.md protocol)
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,12 @@ def mha2mla_layers(
 
         from ..data.calib import calibration_chunks
 
+        n, t = options.calibration_size(DEFAULT_CALIBRATION)
         meta["calibration"] = {
-            "calib": options.calib, "samples": options.calib_samples, "seq_len": options.calib_seq_len,
-            "seed": options.seed, "propagate": propagate,
+            "calib": options.calib, "samples": n, "seq_len": t, "seed": options.seed, "propagate": propagate,
         }
         tokenizer = AutoTokenizer.from_pretrained(source_dir)
-        calib_ids = calibration_chunks(tokenizer, options.calib, options.calib_samples, options.calib_seq_len, options.seed)
+        calib_ids = calibration_chunks(tokenizer, options.calib, n, t, options.seed)
     else:
         meta["calibration"] = {"ids": list(calib_ids.shape), "propagate": propagate}
     layers = calibrated_layers(

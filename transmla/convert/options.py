@@ -20,8 +20,8 @@ class ConvertOptions:
     q_lora_rank: int | None = None
     # Calibration.
     calib: str = "wiki"
-    calib_samples: int = 64
-    calib_seq_len: int = 512
+    calib_samples: int | None = None  # None: the method's default (calibration_size)
+    calib_seq_len: int | None = None
     seed: int = 0
     propagate: str | None = None  # later layers calibrated on original | converted earlier layers (None: the method's default)
     eval_data: str | None = None  # print perplexity after each stage
@@ -33,6 +33,12 @@ class ConvertOptions:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def calibration_size(self, default: tuple[int, int]) -> tuple[int, int]:
+        """(sequences, tokens per sequence): the ones given, else the method's `default`."""
+        n = default[0] if self.calib_samples is None else self.calib_samples
+        t = default[1] if self.calib_seq_len is None else self.calib_seq_len
+        return n, t
 
     def resolved_device(self) -> str:
         if self.device != "auto":

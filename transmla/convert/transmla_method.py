@@ -44,7 +44,11 @@ from .rope import (
     split_rope,
 )
 
-DEFAULT_PROPAGATE = "converted"
+DEFAULT_PROPAGATE = "original"
+# Sequences x tokens: many short sequences (each starts with the attention-sink token every prompt
+# has) beat few long ones at equal tokens, measured from 64 x 512 to 4096 x 8; best: 2048 x 16
+# (eval/results/transmla_bench.md, dev32).
+DEFAULT_CALIBRATION = (2048, 16)
 FOLD_RULES = ("auto", "logit")
 
 
@@ -60,7 +64,9 @@ class TransMLAPlan:
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
     balance: bool = True  # BKV
     centre: bool = False  # PCA of the covariance (means restored exactly) instead of the second moment
-    pca_metric: str = "activation"  # activation (published: PCA of [K_nope; V]) | attention (query- and output-weighted) | output (V output-weighted), bkv.py
+    # PCA metric (bkv.py): output (ours: V errors weighted by W_o) | activation (published: plain
+    # PCA of [K_nope; V]) | attention (also K errors weighted by the queries; worse below 50%)
+    pca_metric: str = "output"
     q_lora_rank: int | None = None
     context: int = 512  # relative distances the logit criterion averages over
     max_fold: int = 8  # largest F tried by "logit"
@@ -72,12 +78,15 @@ class TransMLAPlan:
 def published_plan(kv_lora_rank: int, rope_dim: int, freqfold: int) -> TransMLAPlan:
     """TransMLA as published: uniform per-group selection, published frequencies, plain NoPE, BKV,
     uncentred PCA, a fixed F (the public scripts pick it by test perplexity)."""
-    return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, selection="uniform", frequencies="published")
+    return TransMLAPlan(
+        kv_lora_rank, rope_dim, freqfold=freqfold, selection="uniform", frequencies="published", pca_metric="activation"
+    )
 
 
 def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto", q_lora_rank: int | None = None) -> TransMLAPlan:
     """Our defaults, chosen by measurement (eval/results/transmla_bench.md): score selection of the
-    rope components and F = d/r, the best on the dev windows at every budget."""
+    rope components, F = d/r and the output-weighted PCA (with DEFAULT_CALIBRATION and
+    DEFAULT_PROPAGATE: 2048 x 16 tokens, calibrated on the original model)."""
     return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, q_lora_rank=q_lora_rank)
 
 
@@ -265,7 +274,8 @@ def _calibration_ids(source_dir: Path, options: ConvertOptions) -> tuple[torch.T
     from ..data.calib import calibration_chunks
 
     tokenizer = AutoTokenizer.from_pretrained(str(source_dir))
-    ids = calibration_chunks(tokenizer, options.calib, options.calib_samples, options.calib_seq_len, options.seed)
+    n, t = options.calibration_size(DEFAULT_CALIBRATION)
+    ids = calibration_chunks(tokenizer, options.calib, n, t, options.seed)
     return ids, tokenizer
 
 
@@ -312,7 +322,7 @@ def transmla_layers(
         "plan": plan.to_dict(),
         "propagate": propagate,
         "calibration": (
-            {"text": options.calib, "samples": options.calib_samples, "seq_len": options.calib_seq_len,
+            {"text": options.calib, "samples": ids.shape[0], "seq_len": ids.shape[1],
              "seed": options.seed, "tokens": int(ids.numel())}
             if calib_ids is None else {"ids": list(ids.shape), "tokens": int(ids.numel())}
         ),
@@ -373,6 +383,7 @@ def print_kv_summary(geo, plan: TransMLAPlan, per_layer: list[dict], seconds: fl
 
 
 __all__ = [
+    "DEFAULT_CALIBRATION",
     "DEFAULT_PROPAGATE",
     "LayerMoments",
     "TransMLAPlan",

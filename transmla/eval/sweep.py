@@ -209,7 +209,8 @@ def sweep(
 
     defaults = ConvertOptions()
     calib_text = ", ".join(
-        f"{k}={calib.get(k, getattr(defaults, k))}" for k in ("calib", "calib_samples", "calib_seq_len", "seed")
+        f"{k}={calib.get(k, getattr(defaults, k) if getattr(defaults, k) is not None else 'method default')}"
+        for k in ("calib", "calib_samples", "calib_seq_len", "seed")
     )
     result: dict[str, Any] = {
         "source_model": source,
