@@ -19,9 +19,11 @@ by q_h . N_j e_k and a value error e_v its output by W_o,h e_v, so weight each b
     M_V = blockdiag_j sum_{h in j} W_o,h^T W_o,h   (output-weighted values)
 and PCA S Y with S = blockdiag(M_K^(1/2), M_V^(1/2)): min E||S (Y - Y_hat)||^2, Y_hat = S^-1 U U^T S Y.
 BKV balancing is applied to the weighted blocks (equal mean column norms, as published). S is
-invertible (a tiny ridge), so full rank stays exact. "output" weights only the values (M_K = I):
-on SmolLM2 it beats the plain PCA, while weighting the keys by the queries hurts below 50% of
-the cache (eval/results/transmla_bench.md, dev32).
+invertible (a tiny ridge), so full rank stays exact. "output" weights only the values (M_K = I).
+Measured on SmolLM2 (eval/results/transmla_bench.md, dev32): with long calibration sequences
+"output" beats the plain PCA at 50% of the cache, but with our default calibration (many short
+sequences) the plain PCA is better at every budget; weighting the keys by the queries hurts
+below 50%. Both stay options (TransMLAPlan.pca_metric), not defaults.
 Optional centring (not in the published method): PCA of the covariance instead of the second
 moment, c = U_R^T (Y - E Y). The K mean only adds q . const to every score of a query (softmax
 drops it); the V mean passes through attention unchanged (weights sum to one) and is folded into

@@ -64,9 +64,9 @@ class TransMLAPlan:
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
     balance: bool = True  # BKV
     centre: bool = False  # PCA of the covariance (means restored exactly) instead of the second moment
-    # PCA metric (bkv.py): output (ours: V errors weighted by W_o) | activation (published: plain
-    # PCA of [K_nope; V]) | attention (also K errors weighted by the queries; worse below 50%)
-    pca_metric: str = "output"
+    # PCA metric (bkv.py): activation (the published plain PCA of [K_nope; V]; the best with our
+    # calibration) | output (V errors weighted by W_o) | attention (K errors by the queries too)
+    pca_metric: str = "activation"
     q_lora_rank: int | None = None
     context: int = 512  # relative distances the logit criterion averages over
     max_fold: int = 8  # largest F tried by "logit"
@@ -85,8 +85,8 @@ def published_plan(kv_lora_rank: int, rope_dim: int, freqfold: int) -> TransMLAP
 
 def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto", q_lora_rank: int | None = None) -> TransMLAPlan:
     """Our defaults, chosen by measurement (eval/results/transmla_bench.md): score selection of the
-    rope components, F = d/r and the output-weighted PCA (with DEFAULT_CALIBRATION and
-    DEFAULT_PROPAGATE: 2048 x 16 tokens, calibrated on the original model)."""
+    rope components, F = d/r, the published plain PCA, with DEFAULT_CALIBRATION and
+    DEFAULT_PROPAGATE (2048 x 16 tokens, calibrated on the original model)."""
     return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, q_lora_rank=q_lora_rank)
 
 
