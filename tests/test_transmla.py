@@ -355,9 +355,9 @@ def test_calibration_size_defaults_per_method():
     from transmla.convert.transmla_method import DEFAULT_CALIBRATION as TRANSMLA_CALIB
 
     assert ConvertOptions().calibration_size(TRANSMLA_CALIB) == TRANSMLA_CALIB == (2048, 16)
-    assert ConvertOptions().calibration_size(MHA2MLA_CALIB) == MHA2MLA_CALIB == (64, 512)
+    assert ConvertOptions().calibration_size(MHA2MLA_CALIB) == MHA2MLA_CALIB == (2048, 16)
     assert ConvertOptions(calib_samples=16).calibration_size(TRANSMLA_CALIB) == (16, 16)
-    assert ConvertOptions(calib_seq_len=32).calibration_size(MHA2MLA_CALIB) == (64, 32)
+    assert ConvertOptions(calib_seq_len=32).calibration_size(MHA2MLA_CALIB) == (2048, 32)
 
 
 def test_auto_fold_is_head_dim_over_rope_dim():
