@@ -175,10 +175,18 @@ def mha2mla_bench_rows() -> tuple[list[dict], dict]:
             continue
         setting = f"{v['select']}, SVD {v['svd']}, {'activation-aware' if v['weighting'] == 'activation' else 'weight'}"
         for text in TEXTS:
-            rows.append(_row("bench:mha2mla", f"mha2mla ({setting}, P={v['rope_pairs']})", "mha2mla", v["budget"], text,
+            rows.append(_row("bench:mha2mla", f"mha2mla ({setting}, P={v['rope_pairs']}, 64 x 512 calibration)", "mha2mla", v["budget"], text,
                              v[text]["perplexity"], tokens=v[text]["tokens"], kv_elements=v["kv_elements"],
                              shape=f"{v['kv_lora_rank']} + {v['kv_elements'] - v['kv_lora_rank']}",
                              paper=(v["select"], v["svd"], v["weighting"]) == ("high", "joint", "none")))
+    # the CLI defaults (2048 x 16 calibration) on the same test windows, from eval/mha2mla_calib_shape.py
+    shape = load_json(RESULTS / "mha2mla_calib_shape.json").get("results", {})
+    for k, v in shape.items():
+        if k.startswith("final/"):
+            calib = k.split("/")[-1].replace("x", " x ")
+            for text, field in (("wiki", "wiki_test_32"), ("lee", "lee_test")):
+                rows.append(_row("bench:mha2mla", f"mha2mla (high, SVD joint, activation-aware, P=4, {calib} calibration)",
+                                 "mha2mla", v["budget"], text, v[field]))
     return rows, source
 
 
