@@ -287,7 +287,7 @@ def test_logit_error_criterion(tiny_factory):
 
 
 def test_stage_perplexities(tiny_factory):
-    """--eval-data's stages: RoRoPE, FreqFold, BKV-PCA; at full rank the last two coincide."""
+    """--eval-data's stages: source, RoRoPE, FreqFold, BKV-PCA; at full rank the last two coincide."""
     _, path = tiny_factory("llama")
     config, srcs, stats = _stats(path)
     plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=4)
@@ -296,7 +296,7 @@ def test_stage_perplexities(tiny_factory):
         for name, layer in convert_layer(s, st.gram, plan, stages=True)[2].items():
             staged.setdefault(name, []).append(layer)
     ppl = stage_perplexities(path, config, staged, _ids(7, 1, 64).reshape(-1), windows=2, seq_len=32)
-    assert set(ppl) == {"rorope", "freqfold", "bkv_pca"} and all(math.isfinite(v) for v in ppl.values())
+    assert list(ppl) == ["source", "rorope", "freqfold", "bkv_pca"] and all(math.isfinite(v) for v in ppl.values())
     assert ppl["bkv_pca"] == pytest.approx(ppl["freqfold"], rel=1e-5)
 
 

@@ -158,9 +158,9 @@ def load_config(spec: str | Path):
     return AutoConfig.from_pretrained(resolve_model_dir(spec))
 
 
-def load_model(spec: str | Path, dtype: torch.dtype | None = torch.float32, device: str = "cpu"):
-    """(model, tokenizer) for a source or converted model, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_lm(spec: str | Path, dtype: torch.dtype | None = torch.float32, device: str = "cpu"):
+    """The causal LM alone (no tokenizer needed) for a source or converted model, in eval mode."""
+    from transformers import AutoModelForCausalLM
 
     from ..families import family_for
     from ..mla.model import register, source_model_type
@@ -170,9 +170,14 @@ def load_model(spec: str | Path, dtype: torch.dtype | None = torch.float32, devi
     config = load_config(path)
     family_for(source_model_type(config))  # unsupported architectures fail here, clearly
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model.to(device).eval()
 
 
-__all__ = ["BUILTIN_MODELS", "ModelNotFoundError", "TOKENIZER_FILES", "load_config", "load_model", "resolve_model_dir"]
+def load_model(spec: str | Path, dtype: torch.dtype | None = torch.float32, device: str = "cpu"):
+    """(model, tokenizer) for a source or converted model, in eval mode."""
+    from transformers import AutoTokenizer
+
+    return load_lm(spec, dtype, device), AutoTokenizer.from_pretrained(resolve_model_dir(spec))
+
+
+__all__ = ["BUILTIN_MODELS", "ModelNotFoundError", "TOKENIZER_FILES", "load_config", "load_lm", "load_model", "resolve_model_dir"]

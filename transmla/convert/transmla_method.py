@@ -281,11 +281,14 @@ def _calibration_ids(source_dir: Path, options: ConvertOptions) -> tuple[torch.T
 
 def stage_perplexities(source_dir: Path, config, stage_layers: dict[str, list[MLALayer]], ids: torch.Tensor,
                        windows: int = 8, seq_len: int = 512, progress: bool = False) -> dict[str, float]:
-    """Perplexity of the partial models (every layer at that stage) on `windows` windows."""
+    """Perplexity of the source and of the partial models (every layer at that stage) on `windows` windows."""
+    from ..checkpoint.resolve import load_lm
     from ..eval.perplexity import perplexity
     from .calibrate import assemble_model
 
-    out = {}
+    source = load_lm(source_dir)
+    out = {"source": perplexity(source, ids, seq_len=seq_len, max_windows=windows, progress=progress).perplexity}
+    del source
     for name, layers in stage_layers.items():
         model = assemble_model(source_dir, config, layers, {"name": f"transmla-{name}"})
         out[name] = perplexity(model, ids, seq_len=seq_len, max_windows=windows, progress=progress).perplexity
