@@ -350,7 +350,7 @@ def write_report(data: dict) -> None:
             f"| {round(SOURCE_ELEMENTS * b)} | {fmt(ANCHOR_MHA2MLA[b])} / {fmt(ANCHOR_MHA2MLA_2NORM[b])} | {ours_s} | {best_s} | "
             f"{fmt(cli.get(b))} | {fmt(tm_ppl)}{tm_plan or ''} | {fmt(ANCHOR_TRANSMLA[b])} |"
         )
-        ours_best = min(x for x in (best and best["wiki"]["perplexity"], cli.get(b)) if x)
+        ours_best = min((x for x in (best and best["wiki"]["perplexity"], cli.get(b)) if x), default=None)
         if tm_ppl and ours_best:
             vs_best.append(f"{ours_best / tm_ppl:.1f}x")
             vs_published.append(f"{ANCHOR_MHA2MLA[b] / tm_ppl:.0f}x")
@@ -411,12 +411,15 @@ def best_screened(settings: dict, budget: float) -> dict | None:
 
 
 def cli_defaults_by_budget() -> dict:
-    """MHA2MLA with its CLI defaults (2048 x 16 calibration), wiki-test 32 windows, from eval/mha2mla_calib_shape.py."""
+    """MHA2MLA with its CLI defaults (their calibration shape), wiki-test 32 windows, from eval/mha2mla_calib_shape.py."""
+    from transmla.convert.mha2mla_method import DEFAULT_CALIBRATION
+
     path = RESULTS / "mha2mla_calib_shape.json"
     if not path.is_file():
         return {}
     results = json.loads(path.read_text()).get("results", {})
-    return {v["budget"]: v["wiki_test_32"] for k, v in results.items() if k.startswith("final/") and k.endswith("/2048x16")}
+    n, t = DEFAULT_CALIBRATION
+    return {b: results[f"final/{b}/{n}x{t}"]["wiki_test_32"] for b in BUDGETS if f"final/{b}/{n}x{t}" in results}
 
 
 def transmla_by_budget() -> dict:

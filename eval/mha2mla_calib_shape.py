@@ -52,10 +52,22 @@ def stats_for(b: Bench, n: int, t: int) -> list[SimpleNamespace]:
     return [SimpleNamespace(gram=g, q_pair_norm=None, k_pair_norm=None) for g in b.original_grams(n, t, 0)]
 
 
+def cli_default_model(b: Bench, stats: list[SimpleNamespace], budget: float):
+    """(model, shape): MHA2MLA with the CLI's settings (high, joint, activation, default P) at this budget."""
+    shape = resolve_shape(attention_geometry(b.config), None, None, budget)
+    settings = MHA2MLASettings(shape, "high", "joint", "activation")
+    layers = [mha2mla_layer(src, settings, st)[0] for src, st in zip(b.sources, stats)]
+    return assemble_model(b.src_dir, b.config, layers, settings.describe()), shape
+
+
+def save(data: dict, name: str) -> None:
+    JSON_PATH.write_text(json.dumps(data, indent=1, sort_keys=True))
+    log(f"{name}: {data['results'][name]}")
+
+
 def run(threads: int) -> dict:
     torch.set_num_threads(threads)
     b = Bench()
-    geo = attention_geometry(b.config)
     data = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"results": {}}
     data["meta"] = {**environment(), "threads": threads}
     tm = json.loads((RESULTS / "transmla_bench.json").read_text())["results"]  # dev32 numbers, same windows
@@ -69,19 +81,15 @@ def run(threads: int) -> dict:
             name = f"{budget}/{n}x{t}"
             if name in data["results"]:
                 continue
-            shape = resolve_shape(geo, None, None, budget)
-            settings = MHA2MLASettings(shape, "high", "joint", "activation")
             start = time.perf_counter()
-            layers = [mha2mla_layer(src, settings, st)[0] for src, st in zip(b.sources, stats)]
-            model = assemble_model(b.src_dir, b.config, layers, settings.describe())
+            model, shape = cli_default_model(b, stats, budget)
             data["results"][name] = {
                 "budget": budget, "samples": n, "seq_len": t, "rope_pairs": shape.rope_pairs,
                 "kv_lora_rank": shape.kv_lora_rank, "calib_chunks_overlapping_dev_wiki": overlap,
                 **b.dev32_ppl(model), "seconds": round(time.perf_counter() - start, 1),
             }
             del model
-            JSON_PATH.write_text(json.dumps(data, indent=1, sort_keys=True))
-            log(f"{name}: {data['results'][name]}")
+            save(data, name)
     return data
 
 
@@ -90,18 +98,14 @@ def final(threads: int, shape: tuple[int, int]) -> dict:
     64 x 512 numbers of the same setting in eval/results/mha2mla_smollm2.json (same windows)."""
     torch.set_num_threads(threads)
     b = Bench()
-    geo = attention_geometry(b.config)
     data = json.loads(JSON_PATH.read_text())
     stats = stats_for(b, *shape)
     for budget in BUDGETS:
         name = f"final/{budget}/{shape[0]}x{shape[1]}"
         if name in data["results"]:
             continue
-        settings = MHA2MLASettings(resolve_shape(geo, None, None, budget), "high", "joint", "activation")
-        layers = [mha2mla_layer(src, settings, st)[0] for src, st in zip(b.sources, stats)]
-        data["results"][name] = {"budget": budget, **b.final_ppl(assemble_model(b.src_dir, b.config, layers))}
-        JSON_PATH.write_text(json.dumps(data, indent=1, sort_keys=True))
-        log(f"{name}: {data['results'][name]}")
+        data["results"][name] = {"budget": budget, **b.final_ppl(cli_default_model(b, stats, budget)[0])}
+        save(data, name)
     return data
 
 

@@ -177,7 +177,8 @@ def load_model(spec: str | Path, dtype: torch.dtype | None = torch.float32, devi
     """(model, tokenizer) for a source or converted model, in eval mode."""
     from transformers import AutoTokenizer
 
-    return load_lm(spec, dtype, device), AutoTokenizer.from_pretrained(resolve_model_dir(spec))
+    path = resolve_model_dir(spec)
+    return load_lm(path, dtype, device), AutoTokenizer.from_pretrained(path)
 
 
 __all__ = ["BUILTIN_MODELS", "ModelNotFoundError", "TOKENIZER_FILES", "load_config", "load_lm", "load_model", "resolve_model_dir"]
