@@ -164,7 +164,7 @@ def main_run(args) -> None:
     stats_path = cache_root() / "bench" / "mha2mla_stats_smollm2.pt"
     config = load_config(gqa_dir)
     if stats_path.is_file():
-        stats = [LayerStats(**s) for s in torch.load(stats_path)]
+        stats = [LayerStats(**s) for s in torch.load(stats_path, weights_only=True)]
     else:
         calib = calibration_chunks(tok, "wiki", 64, 512, 0)
         t = time.time()

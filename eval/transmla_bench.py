@@ -128,7 +128,7 @@ class Bench:
             start = time.perf_counter()
             stats = collect_layer_stats(self.src_dir, self.config, self.calib_ids(n, t, seed), progress=False)
             torch.save({"grams": [s.gram for s in stats], "seconds": time.perf_counter() - start}, path)
-        return torch.load(path)["grams"]
+        return torch.load(path, weights_only=True)["grams"]
 
     def published_pca_grams(self, budget: str) -> list[torch.Tensor]:
         """The published second stage: grams of the partial-RoPE model (every layer after RoRoPE and
@@ -150,7 +150,7 @@ class Bench:
                                        propagate="converted", progress=False):
                 pass
             torch.save({"grams": grams}, path)
-        return torch.load(path)["grams"]
+        return torch.load(path, weights_only=True)["grams"]
 
     # -- conversions ---------------------------------------------------------------------------
     def layers_original(self, plan: TransMLAPlan, grams, rope_grams=None):
@@ -259,14 +259,26 @@ def dev_entry(b: Bench, layers, infos) -> dict:
 
 
 def layers_cached(b: Bench, key: str, build):
-    """Converted layers kept on disk (a converted-propagation pass is the expensive part)."""
-    path = CACHE / f"layers_{key.replace('/', '_').replace('%', 'pct')}.pt"
-    if path.exists():
-        data = torch.load(path, weights_only=False)  # our own cache: MLALayer dataclasses
-        return data["layers"], data["infos"]
+    """Converted layers kept on disk (a converted-propagation pass is the expensive part): tensors in
+    safetensors, the per-layer infos in JSON, so reading the cache never unpickles anything."""
+    from dataclasses import fields
+
+    from safetensors.torch import load_file, save_file
+
+    from transmla.convert.layers import MLALayer
+
+    stem = CACHE / f"layers_{key.replace('/', '_').replace('%', 'pct')}"
+    tensors_path, infos_path = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    if tensors_path.exists() and infos_path.exists():
+        tensors = load_file(str(tensors_path))
+        infos = json.loads(infos_path.read_text())["infos"]
+        layers = [MLALayer(**{f.name: tensors.get(f"{i}.{f.name}") for f in fields(MLALayer)}) for i in range(len(infos))]
+        return layers, infos
     start = time.perf_counter()
     layers, infos = build()
-    torch.save({"layers": layers, "infos": infos, "seconds": time.perf_counter() - start}, path)
+    flat = {f"{i}.{k}": v.contiguous() for i, layer in enumerate(layers) for k, v in layer.__dict__.items() if v is not None}
+    save_file(flat, str(tensors_path))
+    infos_path.write_text(json.dumps({"infos": infos, "seconds": time.perf_counter() - start}, default=float))
     return layers, infos
 
 

@@ -3,7 +3,7 @@
     output_dir/
       recipe.yaml            the resolved recipe (overrides applied)
       converted/             the conversion, when the recipe names a source (reused if unchanged)
-      checkpoints/step-N/    accelerate state (model, AdamW, schedule, RNG) + trainer state
+      checkpoints/step-N/    model, AdamW, schedule, RNG and trainer state (safetensors + JSON, no pickle)
       model/                 the fine-tuned model: native MLA format, loadable like any conversion
       train_log.csv          loss, lr, grad norm, tokens, time per optimizer step
       eval_log.csv           held-out perplexity per evaluation
@@ -46,6 +46,7 @@ from .data import (
     pack_documents,
 )
 from .recipe import Recipe
+from .state import is_training_state, load_training_state, save_training_state
 
 __all__ = ["FinetuneResult", "run_finetune", "select_trainable", "TRAINABLE_PATTERNS", "lr_factor"]
 
@@ -100,8 +101,9 @@ class TrainerState:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        for key in self.__dataclass_fields__:
+            if key in state:
+                setattr(self, key, state[key])
 
 
 # --- pieces --------------------------------------------------------------------------------------
@@ -280,7 +282,7 @@ def _evaluate(model, ids: torch.Tensor, recipe: Recipe, accelerator, windows: in
 
 
 def _checkpoints(root: Path) -> list[Path]:
-    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and (p / "trainer.json").is_file()]
+    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if is_training_state(p)]
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
@@ -292,21 +294,25 @@ def _resume_dir(recipe: Recipe) -> Path | None:
         found = _checkpoints(recipe.output_dir / "checkpoints")
         return found[-1] if found else None
     path = Path(mode).expanduser()
-    if not (path / "trainer.json").is_file():
+    if not is_training_state(path):
         raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint folder (no trainer.json)")
     return path
 
 
-def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState) -> Path:
+def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState, model, optimizer, scheduler) -> Path:
     root = recipe.output_dir / "checkpoints"
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = root / f".{final.name}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    trainer = {**state.state_dict(), "recipe": recipe.dump()}
+    save_training_state(
+        tmp, accelerator.unwrap_model(model), optimizer, scheduler, trainer,
+        rank=accelerator.process_index, main=accelerator.is_main_process,
+    )
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "trainer.json").write_text(json.dumps({"step": state.step, "tokens": state.tokens, "recipe": recipe.dump()}, indent=1, default=str))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in _checkpoints(root)[: -recipe.checkpoint.keep]:
@@ -462,11 +468,12 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainerState()
-    accelerator.register_for_checkpointing(scheduler, state)
 
     resume = _resume_dir(recipe)
     if resume is not None:
-        accelerator.load_state(str(resume))
+        state.load_state_dict(load_training_state(
+            resume, accelerator.unwrap_model(model), optimizer, scheduler, rank=accelerator.process_index
+        ))
         _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
 
     def evaluate(windows: int | None, tag: str) -> dict | None:
@@ -537,7 +544,7 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
             if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < total_steps:
                 evaluate(recipe.eval.windows, "train")
             if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0:
-                _save_checkpoint(accelerator, recipe, state)
+                _save_checkpoint(accelerator, recipe, state, model, optimizer, scheduler)
     except KeyboardInterrupt:
         interrupted = True
         _log(accelerator, f"interrupted: saving a checkpoint at step {state.step}")
@@ -546,7 +553,7 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
     done = state.step >= total_steps and not interrupted
     if not done:
         if recipe.checkpoint.every == 0 or state.step % recipe.checkpoint.every:
-            _save_checkpoint(accelerator, recipe, state)
+            _save_checkpoint(accelerator, recipe, state, model, optimizer, scheduler)
         if accelerator.is_main_process:
             _write_logs(recipe, state)
         if interrupted:
