@@ -84,3 +84,71 @@ def test_checkpoint_holds_no_pickle(mla, tmp_path):
     run_finetune(parse_recipe(_recipe(mla, tmp_path / "run")), stop_after=2, progress=False)
     files = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000002").iterdir())
     assert all(name.endswith((".safetensors", ".json")) for name in files), files
+
+
+# --- 2. no non-finite model written, no NaN reported as a result -------------------------------
+
+
+def _poisoned(tmp_path: Path, name: str, value: float, where=(0, 0)) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "poisoned"
+    make_tiny_model("llama", src)
+    save_word_tokenizer(src)
+    tensors = load_file(src / "model.safetensors")
+    t = tensors[name]
+    t[where if t.ndim == 2 else where[0]] = value if value == value else torch.nan
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
+@pytest.mark.parametrize("method", ["lossless", "transmla"])
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+def test_non_finite_source_refused_by_name_nothing_written(cli, tmp_path, method, name):
+    src = _poisoned(tmp_path, name, float("nan"))
+    out = tmp_path / "out"
+    args = ["--calib-samples", "4", "--calib-seq-len", "8", "--kv-budget", "0.5"] if method == "transmla" else []
+    code, stdout, err = cli("convert", src, out, "--method", method, *args)
+    assert code == 1 and stdout == ""
+    assert name in err and "non-finite" in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["poisoned"]
+
+
+def test_non_finite_calibration_statistics_fail(cli, tmp_path):
+    src = _poisoned(tmp_path, "model.layers.1.input_layernorm.weight", 3e38)  # finite, but overflows on the way
+    code, _, err = cli("convert", src, tmp_path / "out", "--method", "transmla", "--kv-budget", "0.5",
+                       "--calib-samples", "4", "--calib-seq-len", "8")
+    assert code == 1 and "layer 1's calibration statistics" in err and "non-finite" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_writer_refuses_non_finite_tensor(tmp_path):
+    import torch
+
+    from transmla.checkpoint.writer import ShardedWriter
+
+    with pytest.raises(ValueError, match="'b' has 1 non-finite value"):
+        with ShardedWriter(tmp_path / "w") as writer:
+            writer.add("a", torch.ones(3))
+            writer.add("b", torch.tensor([1.0, float("inf")]))
+    assert list((tmp_path / "w").iterdir()) == []
+
+
+def test_eval_fails_on_non_finite_loss(cli, tmp_path):
+    src = _poisoned(tmp_path, "model.norm.weight", float("nan"))
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i % 50}" for i in range(400)))
+    code, stdout, err = cli("eval", src, "--data", tmp_path / "t.txt", "--seq-len", "32", "--json")
+    assert code == 1 and stdout == "" and "NaN or Inf" in err, (stdout, err)
+
+
+def test_truncated_shard_error_names_the_file(cli, tmp_path):
+    src = tmp_path / "src"
+    make_tiny_model("llama", src)
+    shard = src / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, _, err = cli("convert", src, tmp_path / "out")
+    assert code == 1 and str(shard) in err, err
+    shard.write_bytes(b"\x05")
+    code, _, err = cli("convert", src, tmp_path / "out")
+    assert code == 1 and str(shard) in err, err

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .finite import require_finite
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -39,6 +41,11 @@ _DTYPES: dict[str, torch.dtype] = {
     }.items()
     if hasattr(torch, name)
 }
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class SafetensorsReader:
@@ -96,7 +103,11 @@ class SafetensorsReader:
     def _handle(self, file: str) -> Any:
         handle = self._handles.get(file)
         if handle is None:
-            handle = safe_open(str(self.directory / file), framework="pt")
+            path = self.directory / file
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # truncated or not safetensors at all: name the file
+                raise ValueError(f"cannot read {path}: {_first_line(e)} (truncated or not a safetensors file?)") from None
             self._handles[file] = handle
         return handle
 
@@ -123,8 +134,13 @@ class SafetensorsReader:
         return sorted(set(self._weight_map.values()))
 
     def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (CPU, stored dtype)."""
-        return self._handle(self._file_of(name)).get_tensor(name)
+        """Load one tensor (CPU, stored dtype); a tensor holding NaN or Inf is refused, by name."""
+        file = self._file_of(name)
+        try:
+            tensor = self._handle(file).get_tensor(name)
+        except Exception as e:  # a shard cut short after its header
+            raise ValueError(f"cannot read tensor {name!r} from {self.directory / file}: {_first_line(e)}") from None
+        return require_finite(tensor, f"tensor {name!r} in {self.directory / file}")
 
     def dtype_of(self, name: str) -> torch.dtype:
         """Stored dtype of a tensor, read from the header only."""

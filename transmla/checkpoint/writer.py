@@ -16,6 +16,8 @@ from types import TracebackType
 import torch
 from safetensors.torch import save_file
 
+from .finite import require_finite
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -77,7 +79,7 @@ class ShardedWriter:
     Only the shard being filled is held in memory. :meth:`close` names the shards
     ``model-0000i-of-0000N.safetensors`` and writes ``model.safetensors.index.json``; a
     single shard is written as plain ``model.safetensors`` without an index. A tensor larger
-    than the limit gets a shard of its own. Used as a context manager, an exception
+    than the limit gets a shard of its own; a tensor holding NaN or Inf is refused by name. Used as a context manager, an exception
     discards the shards written so far instead of finishing.
     """
 
@@ -105,7 +107,7 @@ class ShardedWriter:
             raise ValueError(f"duplicate tensor name {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        t = _detached_cpu(tensor)
+        t = require_finite(_detached_cpu(tensor), f"output tensor {name!r}")
         if self._buffer and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
             self._flush()
         self._names.add(name)

@@ -20,7 +20,7 @@ pick_dtype = torch_dtype  # the CLI's name for it
 def emit(data: dict, as_json: bool, title: str) -> None:
     """Print a flat dict as JSON or as a two-column table on stdout."""
     if as_json:
-        print(json.dumps(data, indent=2, default=str))
+        print(json.dumps(data, indent=2, default=str, allow_nan=False))  # NaN is not JSON: never print it
         return
     table = Table(title=title, show_header=False)
     table.add_column("", style="bold")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.finite import require_finite
 from ..checkpoint.reader import SafetensorsReader
 from ..families import attention_geometry, family_for, rope_inv_freq
 from ..mla.attention import MLAAttention
@@ -138,7 +139,9 @@ def calibrated_layers(
             acc = _StatsAccumulator(src, pair_norms, device)
             for start in range(0, hidden.shape[0], batch_size):
                 acc.add(layer.input_layernorm(hidden[start : start + batch_size]))
-            converted = convert_layer(i, src, acc.result())
+            stats = acc.result()
+            require_finite(stats.gram, f"layer {i}'s calibration statistics")
+            converted = convert_layer(i, src, stats)
             yield converted
             if propagate == "converted":
                 layer.self_attn = _mla_attention(config, converted, device)

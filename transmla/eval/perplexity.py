@@ -31,6 +31,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from transmla.checkpoint.finite import require_finite_number
 from transmla.data.calib import tokenize_text
 
 __all__ = ["PerplexityResult", "perplexity", "tokenize_text", "plan_windows"]
@@ -156,7 +157,7 @@ def perplexity(
                 bar.advance(task, len(batch))
     finally:
         model.train(was_training)
-    nll = total_nll / scored
+    nll = require_finite_number(total_nll / scored, "the mean negative log-likelihood")
     return PerplexityResult(
         perplexity=math.exp(nll),
         nll=nll,

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from ..checkpoint.finite import require_finite, require_finite_number
 from ..dtypes import torch_dtype
 from ..progress import stderr_console
 from .data import (
@@ -386,6 +387,8 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
         if recipe.train.gradient_checkpointing:
             (getattr(net, "activation_checkpointing_disable", None) or net.gradient_checkpointing_disable)()
         net.to(torch_dtype(save_dtype))
+        for name, p in net.state_dict().items():
+            require_finite(p, f"fine-tuned tensor {name!r}")
         mla = dict(net.config.mla)
         mla["method"] = {**mla.get("method", {}), "finetune": {
             "steps": state.step, "tokens": state.tokens, "trainable": recipe.train.trainable,
@@ -530,7 +533,7 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
             dt = time.perf_counter() - t0
             train_wall += dt
             train_tokens += step_tokens
-            loss = loss_sum / max(1, scored)
+            loss = require_finite_number(loss_sum / max(1, scored), f"the training loss at step {state.step}")
             state.train_log.append({
                 "step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "seconds": dt, "epoch": round(sampler.epoch(state.step), 4),
