@@ -152,3 +152,143 @@ def test_truncated_shard_error_names_the_file(cli, tmp_path):
     shard.write_bytes(b"\x05")
     code, _, err = cli("convert", src, tmp_path / "out")
     assert code == 1 and str(shard) in err, err
+
+
+# --- 3. nothing left behind after an interruption ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_source(tmp_path_factory):
+    """A source whose TransMLA conversion takes seconds (calibration), to signal mid-way."""
+    src = tmp_path_factory.mktemp("slow") / "src"
+    make_tiny_model("llama", src, num_hidden_layers=6, hidden_size=256, intermediate_size=512, vocab_size=4000,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    (src.parent / "calib.txt").write_text(" ".join(f"w{i * 7 % 90}" for i in range(140000)))
+    save_word_tokenizer(src)
+    return src
+
+
+def _start_convert(src: Path, out: Path):
+    import os
+    import subprocess
+    import sys
+
+    transmla = Path(sys.executable).with_name("transmla")
+    cmd = [str(transmla), "convert", str(src), str(out), "--method", "transmla", "--kv-budget", "0.25",
+           "--calib", str(src.parent / "calib.txt"), "--calib-samples", "1024", "--calib-seq-len", "64",
+           "--max-shard-size", "200KB"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TERM": "dumb"})
+
+
+def _wait_for(predicate, proc, timeout=240.0):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended first: {proc.communicate()}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def _temporaries(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_signal_mid_conversion_leaves_nothing(slow_source, tmp_path, signame):
+    import signal
+
+    out = tmp_path / "out"
+    proc = _start_convert(slow_source, out)
+    _wait_for(lambda: any(tmp_path.glob(".out.tmp-*/.model-*.part")), proc)  # shards being written
+    proc.send_signal(getattr(signal, signame))
+    _, err = proc.communicate(timeout=120)
+    signum = getattr(signal, signame)
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == f"error: interrupted ({signame})", err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_leftovers_removed_by_next_run(slow_source, tmp_path, cli):
+    import signal
+
+    out = tmp_path / "out"
+    proc = _start_convert(slow_source, out)
+    _wait_for(lambda: any(tmp_path.glob(".out.tmp-*/.model-*.part")), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    left = _temporaries(tmp_path)
+    assert any(n.startswith(".out.tmp-") and not n.endswith(".lock") for n in left), left  # what SIGKILL leaves
+    code, _, err = cli("convert", slow_source, tmp_path / "other", "--method", "lossless")
+    assert code == 0, err
+    assert "left by an interrupted run" in err
+    assert _temporaries(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_live_runs_temporaries_are_kept_and_old_version_leftovers_removed(tmp_path):
+    from transmla.checkpoint.writer import _locked_tmp_dir, remove_stale_temporaries
+
+    with _locked_tmp_dir(tmp_path, "live") as live:
+        (live / "model.safetensors").write_bytes(b"x")
+        old_version = tmp_path / ".gone.tmp-abc123"  # no lock file: a run of an older version
+        old_version.mkdir()
+        (old_version / ".model-00001.safetensors.part").write_bytes(b"x")
+        foreign = tmp_path / ".notes.tmp-keep"  # not a conversion's folder
+        foreign.mkdir()
+        (foreign / "diary.txt").write_text("mine")
+        done = remove_stale_temporaries(tmp_path)
+        assert live.is_dir() and not old_version.exists() and foreign.is_dir()
+        assert done == [f"removed {old_version}, left by an interrupted run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.tmp-keep"]
+
+
+def test_killed_force_run_restores_the_previous_output(tmp_path):
+    import os
+
+    from transmla.checkpoint.writer import remove_stale_temporaries
+
+    # the state a run killed between its two renames leaves: output moved aside, new one not yet in place
+    tmp = tmp_path / ".out.tmp-xyz"
+    tmp.mkdir()
+    (tmp_path / ".out.tmp-xyz.lock").write_text(str(os.getpid()))
+    aside = tmp_path / ".out.tmp-xyz.old"
+    aside.mkdir()
+    (aside / "config.json").write_text("{}")
+    done = remove_stale_temporaries(tmp_path)
+    assert (tmp_path / "out" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], done
+
+
+# --- 4. exit codes and messages from the CLI layer (the installed console script) --------------
+
+
+def _console(*args, timeout=300):
+    import subprocess
+    import sys
+
+    transmla = Path(sys.executable).with_name("transmla")
+    return subprocess.run([str(transmla), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["convert", "src", "out", "--kv-budget", "abc"], "'--kv-budget'"),
+    (["convert", "src"], "Missing argument 'output'"),
+    (["nosuch"], "No such command 'nosuch'"),
+])
+def test_usage_errors_exit_2_naming_the_option(args, needle):
+    proc = _console(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_bare_command_prints_help():
+    proc = _console()
+    assert proc.returncode == 0 and "Usage: transmla" in proc.stdout and "Commands" in proc.stdout
+    assert "error" not in proc.stderr.lower(), proc.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -16,6 +17,8 @@ from types import TracebackType
 import torch
 from safetensors.torch import save_file
 
+from ..progress import stderr_console
+from .files import TOKENIZER_FILES
 from .finite import require_finite
 
 SINGLE_FILE = "model.safetensors"
@@ -189,13 +192,116 @@ def _current_umask() -> int:
     return mask
 
 
+# A run's temporary folder is `.NAME.tmp-XXXX` beside its output NAME, with `.NAME.tmp-XXXX.lock`
+# beside it: created first, removed last, and locked (flock) for as long as the run lives. The
+# kernel drops the lock when the process dies, even by SIGKILL, so a later run can tell a dead
+# run's folder (lock free, or no lock file at all) from a live one's (lock held).
+TMP_MARK = ".tmp-"
+LOCK_SUFFIX = ".lock"
+OLD_SUFFIX = ".old"  # the previous output, moved aside while --force replaces it
+
+
+def _tmp_owner_name(tmp_name: str) -> str:
+    """`.NAME.tmp-XXXX` -> NAME."""
+    return tmp_name[1 : tmp_name.rindex(TMP_MARK)]
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding the exclusive lock on ``path``, or None if a live process holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _holds_only_checkpoint_files(folder: Path) -> bool:
+    """Whether every entry is a file a conversion writes: never delete someone else's folder."""
+    ours = {"config.json", *TOKENIZER_FILES}
+    return all(
+        p.is_file() and not p.is_symlink()
+        and (p.name in ours or p.name.startswith(("model", ".model-", "chat_template", "transmla_")))
+        for p in folder.iterdir()
+    )
+
+
+def remove_stale_temporaries(parent: Path) -> list[str]:
+    """Remove the temporary folders that dead runs left in ``parent``; return what was done.
+
+    A killed run's previous output, moved aside by --force, is put back when nothing replaced it.
+    """
+    done: list[str] = []
+    if not parent.is_dir():
+        return done
+    for entry in sorted(parent.glob(f".*{TMP_MARK}*")):
+        name = entry.name
+        if name.endswith(LOCK_SUFFIX) or name.endswith(OLD_SUFFIX) or not entry.is_dir() or entry.is_symlink():
+            continue
+        lock = parent / (name + LOCK_SUFFIX)
+        if lock.exists():
+            fd = _try_lock(lock)
+            if fd is None:
+                continue  # a live run
+        elif _holds_only_checkpoint_files(entry):  # an older version's run (no lock file)
+            fd = -1
+        else:
+            continue
+        try:
+            if not entry.exists():  # finished while we looked
+                continue
+            old = parent / (name + OLD_SUFFIX)
+            target = parent / _tmp_owner_name(name)
+            if old.is_dir() and not target.exists() and not target.is_symlink():
+                os.replace(old, target)
+                done.append(f"restored {target} (a killed run had moved it aside)")
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"removed {entry}, left by an interrupted run")
+        finally:
+            if fd >= 0:
+                lock.unlink(missing_ok=True)
+                os.close(fd)
+    for lock in parent.glob(f".*{TMP_MARK}*{LOCK_SUFFIX}"):  # locks whose folder is gone
+        folder = parent / lock.name[: -len(LOCK_SUFFIX)]
+        if not folder.exists():
+            fd = _try_lock(lock)
+            if fd is not None:
+                lock.unlink(missing_ok=True)
+                os.close(fd)
+    return done
+
+
+@contextmanager
+def _locked_tmp_dir(parent: Path, name: str) -> Iterator[Path]:
+    """A new `.NAME.tmp-XXXX` folder in ``parent``, locked by this process; removed at the end
+    unless it was moved away (the lock is released only after that)."""
+    fd, lock_name = tempfile.mkstemp(prefix=f".{name}{TMP_MARK}", suffix=LOCK_SUFFIX, dir=parent)
+    lock = Path(lock_name)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        tmp = Path(lock_name[: -len(LOCK_SUFFIX)])
+        tmp.mkdir(mode=0o777 & ~_current_umask())
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became the output
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
 @contextmanager
 def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside ``target`` that becomes ``target`` on success.
 
     A non-empty existing ``target`` is refused unless ``force``; with ``force`` the old
     directory is removed only after the new one is complete. On any exception (including
-    KeyboardInterrupt) the temporary directory is deleted and nothing is left behind.
+    KeyboardInterrupt, which the CLI raises for SIGTERM too) the temporary directory is deleted;
+    a run killed outright leaves it behind, and the next run into the same parent removes it.
     """
     target = Path(os.path.abspath(target))
 
@@ -211,14 +317,14 @@ def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]
 
     check()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        os.chmod(tmp, 0o777 & ~_current_umask())
+    for line in remove_stale_temporaries(target.parent):
+        stderr_console.print(f"[dim]{line}[/dim]", highlight=False)
+    with _locked_tmp_dir(target.parent, target.name) as tmp:
         yield tmp
         check()
         if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old)  # replaces the empty placeholder `old`
+            old = tmp.with_name(tmp.name + OLD_SUFFIX)
+            os.replace(target, old)
             try:
                 os.replace(tmp, target)
             except BaseException:
@@ -227,6 +333,3 @@ def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

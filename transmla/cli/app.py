@@ -1,6 +1,7 @@
 """The transmla command line. Commands live in one module each; this file wires them up.
 
-Errors print as one line on stderr with exit code 1; set TRANSMLA_DEBUG=1 for the traceback.
+Errors print as one line on stderr with exit code 1 (usage errors: 2; interrupted: 128 + signal);
+set TRANSMLA_DEBUG=1 for the traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .convert import convert
 from .evaluate import evaluate
 from .generate import generate
 from .inspect import inspect
+from .signals import interrupt_on_signals
 
 app = typer.Typer(
     name="transmla",
@@ -63,33 +65,61 @@ def _quiet_libraries() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (console scripts pass it to sys.exit)."""
-    _quiet_libraries()
-    import click
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
+    return message.strip("'\"") if isinstance(error, KeyError) else message
+
+
+def _run(argv: list[str] | None) -> int:
+    """The app without typer's own exit handling: every outcome becomes an exit code and one line."""
+    from typer._click import exceptions as cli_errors  # typer >= 0.29 ships its own click (pinned)
 
     try:
         code = app(args=argv, standalone_mode=False)  # a command's typer.Exit(n) comes back as n
-    except click.exceptions.Exit as e:
+    except cli_errors.NoArgsIsHelpError as e:  # bare `transmla` (or a bare group): the help
+        text = e.format_message()
+        if text.strip():  # typer's rich formatter has printed it already and returns ""
+            print(text)
+        return 0
+    except cli_errors.UsageError as e:  # bad option value, missing argument, unknown command: exit 2
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         return e.exit_code
-    except click.ClickException as e:  # usage errors: click's own message
-        e.show()
+    except cli_errors.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
         return e.exit_code
-    except click.exceptions.Abort:
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
         print("error: aborted", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
     except Exception as e:  # one line for users; the traceback behind TRANSMLA_DEBUG
         if os.environ.get("TRANSMLA_DEBUG"):
             raise
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, KeyError):
-            message = message.strip("'\"")
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {_first_line(e)}", file=sys.stderr)
         return 1
     return code if isinstance(code, int) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (console scripts pass it to sys.exit).
+
+    Ctrl-C, SIGTERM, SIGHUP and friends interrupt the command the same way (temporary output is
+    removed on the way out) and end with one line and exit code 128 + the signal number.
+    """
+    _quiet_libraries()
+    with interrupt_on_signals() as caught:
+        try:
+            code = _run(argv)
+        except KeyboardInterrupt:  # raised outside the command (typer turns the command's into 130)
+            code = 130
+    if caught.signum is not None:
+        print(f"error: interrupted ({caught.name})", file=sys.stderr)
+        return 128 + caught.signum
+    if code == 130:
+        print("error: interrupted", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
