@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean llama-cpp
 
 setup: $(VENV)/.installed
 
@@ -30,7 +30,12 @@ demo: setup
 	$(TRANSMLA) generate out/smollm2-lossless "The capital of France is" --max-new-tokens 12
 	$(TRANSMLA) generate out/smollm2-transmla-25 "The capital of France is" --max-new-tokens 12
 
-test: setup
+# llama.cpp (the version vendored by the llama-cpp-python 0.3.36 sdist) for the GGUF tests and
+# benchmarks: built once into ~/.cache/transmla (or $$LLAMA_CPP_DIR), reused afterwards.
+llama-cpp: setup
+	PYTHON=$(PY) tools/llama_cpp/build.sh
+
+test: setup llama-cpp
 	$(PY) -m pytest -q
 
 clean:

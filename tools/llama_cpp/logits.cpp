@@ -1,0 +1,73 @@
+// transmla-logits: run a GGUF model in llama.cpp on given token ids and write every position's
+// logits (float32, row-major [n_tokens, n_vocab]) to a file, so tests can compare llama.cpp with
+// our own model. The KV cache is kept in f32 so the comparison is exact up to float rounding.
+//
+//   transmla-logits MODEL.gguf OUT.bin prefill|decode N_CTX TOKEN [TOKEN ...]
+//
+// prefill: one batch with all tokens; decode: one llama_decode call per token (the cached path).
+// llama.cpp's own log (model hparams, KV cache size) goes to stderr.
+#include "llama.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+int main(int argc, char ** argv) {
+    if (argc < 6 || (strcmp(argv[3], "prefill") != 0 && strcmp(argv[3], "decode") != 0)) {
+        fprintf(stderr, "usage: %s MODEL.gguf OUT.bin prefill|decode N_CTX TOKEN [TOKEN ...]\n", argv[0]);
+        return 2;
+    }
+    const bool prefill = strcmp(argv[3], "prefill") == 0;
+    std::vector<llama_token> tokens;
+    for (int i = 5; i < argc; i++) tokens.push_back((llama_token) atoi(argv[i]));
+    const int n = (int) tokens.size();
+
+    llama_backend_init();
+    llama_model_params mparams = llama_model_default_params();
+    llama_model * model = llama_model_load_from_file(argv[1], mparams);
+    if (model == nullptr) { fprintf(stderr, "failed to load %s\n", argv[1]); return 1; }
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = (uint32_t) atoi(argv[4]);  // the KV cache holds this many tokens (>= the tokens given)
+    cparams.n_batch = (uint32_t) n;
+    cparams.n_ubatch = (uint32_t) n;
+    cparams.n_threads = 1;
+    cparams.n_threads_batch = 1;
+    cparams.type_k = GGML_TYPE_F32;
+    cparams.type_v = GGML_TYPE_F32;
+    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    if (ctx == nullptr) { fprintf(stderr, "failed to create a context\n"); return 1; }
+
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    std::vector<float> out((size_t) n * n_vocab);
+    llama_batch batch = llama_batch_init(n, 0, 1);
+    const int n_calls = prefill ? 1 : n;
+    for (int c = 0; c < n_calls; c++) {
+        const int first = prefill ? 0 : c, count = prefill ? n : 1;
+        batch.n_tokens = count;
+        for (int j = 0; j < count; j++) {
+            batch.token[j] = tokens[first + j];
+            batch.pos[j] = first + j;
+            batch.n_seq_id[j] = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j] = 1;
+        }
+        if (llama_decode(ctx, batch) != 0) { fprintf(stderr, "llama_decode failed\n"); return 1; }
+        for (int j = 0; j < count; j++) {
+            memcpy(&out[(size_t) (first + j) * n_vocab], llama_get_logits_ith(ctx, j), sizeof(float) * n_vocab);
+        }
+    }
+    FILE * f = fopen(argv[2], "wb");
+    if (f == nullptr || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) {
+        fprintf(stderr, "failed to write %s\n", argv[2]);
+        return 1;
+    }
+    fclose(f);
+    llama_batch_free(batch);
+    llama_free(ctx);
+    llama_model_free(model);
+    llama_backend_free();
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""Running the llama.cpp that `make llama-cpp` builds (tools/llama_cpp/build.sh): logits, the KV
+cache it reports, tokenization, perplexity and llama-bench, each through its own binary."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build
+BUILD_HINT = "build it with `make llama-cpp`"
+
+
+class LlamaCppMissing(RuntimeError):
+    """The llama.cpp build is not there."""
+
+
+def llama_cpp_dir() -> Path:
+    """$LLAMA_CPP_DIR, else ~/.cache/transmla/llama.cpp-<version> (outside every work tree)."""
+    default = Path.home() / ".cache" / "transmla" / f"llama.cpp-{LLAMA_CPP_VERSION}"
+    return Path(os.environ.get("LLAMA_CPP_DIR", default))
+
+
+def llama_cpp_tool(name: str) -> Path:
+    path = llama_cpp_dir() / "build" / "bin" / name
+    if not path.is_file():
+        raise LlamaCppMissing(f"{name} not found in {path.parent}; {BUILD_HINT}")
+    return path
+
+
+def _run(args: list[str | Path], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{Path(str(args[0])).name} failed ({proc.returncode}): {tail}")
+    return proc
+
+
+@dataclass
+class KVCacheReport:
+    """llama.cpp's own line: `llama_kv_cache: size = ... MiB (N cells, L layers, ...), K (t): ..., V (t): ...`."""
+
+    mib: float
+    cells: int
+    layers: int
+    k_type: str
+    k_mib: float
+    v_type: str
+    v_mib: float
+
+
+_KV_LINE = re.compile(
+    r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*?\), "
+    r"K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB"
+)
+
+
+def kv_cache_report(log: str) -> KVCacheReport:
+    match = _KV_LINE.search(log)
+    if match is None:
+        raise ValueError("no llama_kv_cache size line in llama.cpp's log")
+    mib, cells, layers, k_type, k_mib, v_type, v_mib = match.groups()
+    return KVCacheReport(float(mib), int(cells), int(layers), k_type, float(k_mib), v_type, float(v_mib))
+
+
+def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256) -> tuple[np.ndarray, str]:
+    """Logits [len(tokens), vocab] from llama.cpp (f32 KV cache, one thread) and its log.
+
+    prefill: one batch; decode: one token per llama_decode call (the cached path)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.bin"
+        proc = _run([llama_cpp_tool("transmla-logits"), gguf_path, out, mode, n_ctx, *tokens])
+        logits = np.fromfile(out, dtype=np.float32)
+    return logits.reshape(len(tokens), -1), proc.stderr
+
+
+def llama_tokenize(gguf_path: str | Path, text: str) -> list[int]:
+    """Token ids llama.cpp gives `text` with this GGUF's vocabulary (adding BOS only if it says so)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        proc = _run([llama_cpp_tool("llama-tokenize"), "-m", gguf_path, "-f", f.name, "--ids", "--log-disable"])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_FINAL_PPL = re.compile(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)")
+
+
+def llama_perplexity(gguf_path: str | Path, text_path: str | Path, n_ctx: int, chunks: int, threads: int = 2) -> tuple[float, str]:
+    """llama-perplexity's final estimate over the first `chunks` windows of `n_ctx` tokens (llama.cpp
+    scores the second half of each window), and its log."""
+    proc = _run([llama_cpp_tool("llama-perplexity"), "-m", gguf_path, "-f", text_path, "-c", n_ctx, "-b", n_ctx,
+                 "--chunks", chunks, "-t", threads])
+    match = _FINAL_PPL.search(proc.stdout + proc.stderr)
+    if match is None:
+        raise RuntimeError("llama-perplexity printed no final estimate")
+    return float(match.group(1)), proc.stderr
+
+
+def llama_bench(gguf_paths: list[str | Path], depths: list[int], n_gen: int, reps: int, threads: int = 2) -> list[dict]:
+    """llama-bench decode rows (`-p 0 -n n_gen -d depths`), one JSON record per model and depth
+    (samples_ts: tokens/s of each repetition)."""
+    args: list[str | Path] = [llama_cpp_tool("llama-bench")]
+    for path in gguf_paths:
+        args += ["-m", path]
+    args += ["-p", "0", "-n", n_gen, "-d", ",".join(map(str, depths)), "-r", reps, "-t", threads, "-o", "json"]
+    return json.loads(_run(args).stdout)

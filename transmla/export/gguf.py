@@ -1,0 +1,264 @@
+"""GGUF export: a DeepSeek-V3 config + tensor stream as a llama.cpp `deepseek2` GGUF.
+
+llama.cpp runs DeepSeek's MLA with the absorbed latent cache (K cache = [c; k_rope] per token per
+layer, V a view of it). What its loader requires, read from llama.cpp's src/models/deepseek2.cpp
+and convert_hf_to_gguf.py (DeepseekV2Model) in the llama-cpp-python 0.3.36 sdist:
+
+- q_lora_rank is a required key unless the layer count is one of DeepSeek-V2-Lite's: write 0 for
+  a plain q_proj (`attn_q`); kv_lora_rank, the MLA head sizes (key_length_mla = d_nope + d_r,
+  value_length_mla = d_v; key_length = d_c + d_r and value_length = d_c are the cache widths),
+  expert_feed_forward_length and expert_shared_count are required even for a dense model;
+  leading_dense_block_count = the layer count makes every FFN dense (no expert tensors then).
+- kv_b_proj [H*(d_nope+d_v), d_c] is stored split: attn_k_b [H, d_c, d_nope] (transposed, the
+  absorbed query side) and attn_v_b [H, d_v, d_c].
+- RoPE is GGML's "normal" mode: rotates adjacent pairs (2i, 2i+1) at theta^(-2i/d_r), which is
+  DeepSeek's rope_interleave; the rows pass unchanged (a rotate-half config is re-interleaved).
+  No per-dimension frequency factors are read for deepseek2, so llama3/longrope scaling cannot
+  be represented; yarn is not written here yet (refused).
+- Softmax scale: 1/sqrt(d_nope + d_r), as in DeepSeek (the DeepSeek export folds ours into q).
+- No attention or MLP biases exist in the graph: refused.
+
+Weight types: f32, bf16 or q8_0 for matrices (norms are always f32). The latent rows of
+attn_kv_a_mqa are scaled by a tiny power of two (the latent-norm no-op of the DeepSeek export);
+Q8_0's fp16 block scales would underflow, so that tensor stays f32 (f32) or bf16 (otherwise).
+Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from .errors import ExportError
+from .gguf_vocab import add_vocab
+
+GGUF_TYPES = ("f32", "bf16", "q8_0")
+ARCH = "deepseek2"
+Q = gguf.GGMLQuantizationType
+FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+MATRIX_TYPES = {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0}
+
+GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_TENSORS = {  # DeepseekV3ForCausalLM name after "model.layers.N." -> GGUF name after "blk.N."
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": None,  # split into attn_k_b / attn_v_b
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+SCALED_LATENT = "attn_kv_a_mqa.weight"  # never Q8_0 (see the module notes)
+
+
+@dataclass(frozen=True)
+class DeepseekShape:
+    """The dimensions a deepseek2 GGUF is written from (read from a DeepSeek-V3 config.json)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    vocab_size: int
+    d_nope: int
+    d_rope: int
+    d_v: int
+    d_c: int
+    q_lora_rank: int  # 0: a plain q_proj
+    rope_theta: float
+    rope_interleave: bool
+    rms_norm_eps: float
+    max_positions: int
+    tied_embeddings: bool
+
+    @property
+    def cache_elements(self) -> int:
+        """KV-cache values per token per layer in llama.cpp: the latent and the shared rope key."""
+        return self.d_c + self.d_rope
+
+
+def deepseek_shape(config: dict) -> DeepseekShape:
+    """Check a DeepSeek-V3 config against what deepseek2 GGUF can hold; one-line ExportError otherwise."""
+    if config.get("model_type") not in ("deepseek_v3", "deepseek_v2"):
+        raise ExportError(f"GGUF export expects a DeepSeek-V3 config, got model_type {config.get('model_type')!r}")
+    layers = int(config["num_hidden_layers"])
+    if int(config.get("first_k_dense_replace") or 0) < layers:
+        raise ExportError("GGUF export: mixture-of-experts layers are not supported (dense models only)")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ExportError("GGUF export: llama.cpp's deepseek2 has no attention or MLP biases (export with --drop-biases)")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ExportError(f"GGUF export: llama.cpp's deepseek2 uses SiLU, not {config['hidden_act']!r}")
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ExportError(f"GGUF export: {rope_type!r} RoPE scaling cannot be written for llama.cpp's deepseek2")
+    heads = int(config["num_attention_heads"])
+    if int(config.get("num_key_value_heads", heads)) != heads:
+        raise ExportError("GGUF export expects num_key_value_heads == num_attention_heads (DeepSeek's MLA)")
+    return DeepseekShape(
+        num_layers=layers,
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=heads,
+        vocab_size=int(config["vocab_size"]),
+        d_nope=int(config["qk_nope_head_dim"]),
+        d_rope=int(config["qk_rope_head_dim"]),
+        d_v=int(config["v_head_dim"]),
+        d_c=int(config["kv_lora_rank"]),
+        q_lora_rank=int(config.get("q_lora_rank") or 0),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_interleave=bool(config.get("rope_interleave", True)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_positions=int(config.get("max_position_embeddings", 4096)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def add_hparams(writer: gguf.GGUFWriter, shape: DeepseekShape, weight_type: str, name: str) -> None:
+    """The deepseek2 keys llama.cpp reads (see the module notes for which are required)."""
+    writer.add_name(name)
+    writer.add_block_count(shape.num_layers)
+    writer.add_context_length(shape.max_positions)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(1)  # absorbed MLA is MQA over the latent
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_rope_dimension_count(shape.d_rope)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    writer.add_vocab_size(shape.vocab_size)
+    writer.add_leading_dense_block_count(shape.num_layers)
+    writer.add_q_lora_rank(shape.q_lora_rank)
+    writer.add_kv_lora_rank(shape.d_c)
+    writer.add_key_length(shape.d_c + shape.d_rope)
+    writer.add_value_length(shape.d_c)
+    writer.add_key_length_mla(shape.d_nope + shape.d_rope)
+    writer.add_value_length_mla(shape.d_v)
+    writer.add_expert_feed_forward_length(shape.intermediate_size)
+    writer.add_expert_shared_count(0)
+    writer.add_file_type(FILE_TYPES[weight_type])
+    if weight_type == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def interleave_rope_rows(weight: torch.Tensor, block: int, d_rope: int) -> torch.Tensor:
+    """Rotate-half rope rows (i, i + d_r/2) -> adjacent pairs (2i, 2i+1), in the last d_rope rows
+    of every `block` rows."""
+    half = d_rope // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()  # [d_r]
+    blocks = weight.reshape(-1, block, weight.shape[-1])  # [n, block, in]
+    rope = blocks[:, block - d_rope:][:, order]  # [n, d_r, in]
+    return torch.cat([blocks[:, : block - d_rope], rope], dim=1).reshape(weight.shape)
+
+
+def gguf_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], shape: DeepseekShape
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """DeepseekV3 (name, tensor) -> deepseek2 GGUF (name, tensor), torch layout; refuses the rest."""
+    qk = shape.d_nope + shape.d_rope
+    for name, tensor in tensors:
+        if name.endswith(".bias"):
+            raise ExportError(f"GGUF export: llama.cpp's deepseek2 has no biases ({name})")
+        if name in GLOBAL_TENSORS:
+            if name == "lm_head.weight" and shape.tied_embeddings:
+                continue
+            yield GLOBAL_TENSORS[name], tensor
+            continue
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or parts[3] not in LAYER_TENSORS:
+            raise ExportError(f"GGUF export: no deepseek2 tensor for {name}")
+        block, rel = f"blk.{parts[2]}.", parts[3]
+        if rel == "self_attn.kv_b_proj.weight":
+            kv_b = tensor.reshape(shape.num_heads, shape.d_nope + shape.d_v, shape.d_c)  # [H, d_nope+d_v, d_c]
+            k_b, v_b = kv_b.split([shape.d_nope, shape.d_v], dim=1)
+            yield block + "attn_k_b.weight", k_b.transpose(1, 2).contiguous()  # [H, d_c, d_nope]
+            yield block + "attn_v_b.weight", v_b.contiguous()  # [H, d_v, d_c]
+            continue
+        if not shape.rope_interleave:
+            if rel in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+                tensor = interleave_rope_rows(tensor, qk, shape.d_rope)  # [H*qk, in]
+            elif rel == "self_attn.kv_a_proj_with_mqa.weight":
+                tensor = interleave_rope_rows(tensor, shape.d_c + shape.d_rope, shape.d_rope)  # [d_c+d_r, D]
+        yield block + LAYER_TENSORS[rel], tensor
+
+
+def expected_tensor_count(shape: DeepseekShape) -> int:
+    per_layer = 11 + (3 if shape.q_lora_rank else 1) - 1  # norms 2, q 1|3, kv_a 1, kv_norm 1, k_b, v_b, o, ffn 3
+    return 2 + (0 if shape.tied_embeddings else 1) + shape.num_layers * per_layer
+
+
+def tensor_type(gguf_name: str, array: np.ndarray, weight_type: str) -> gguf.GGMLQuantizationType:
+    if array.ndim == 1:
+        return Q.F32
+    if gguf_name.endswith(SCALED_LATENT):
+        return Q.F32 if weight_type == "f32" else Q.BF16
+    qtype = MATRIX_TYPES[weight_type]
+    if qtype == Q.Q8_0 and array.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
+        return Q.BF16
+    return qtype
+
+
+@dataclass
+class GGUFExportResult:
+    path: Path
+    weight_type: str
+    tokenizer_pre: str
+    tensors: int
+    bytes: int
+    cache_elements: int  # per token per layer, d_c + d_r
+
+
+def write_gguf(
+    config: dict,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    tokenizer_dir: str | Path,
+    output: str | Path,
+    weight_type: str = "f32",
+    tokenizer_pre: str | None = None,
+    name: str | None = None,
+) -> GGUFExportResult:
+    """Stream (name, tensor) pairs of a DeepSeek-V3 model into `output` as a deepseek2 GGUF.
+
+    Tensors are converted one at a time into a spooled temporary file; the GGUF appears at
+    `output` only when everything was written (a refusal leaves nothing behind)."""
+    if weight_type not in GGUF_TYPES:
+        raise ExportError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {weight_type!r}")
+    shape = deepseek_shape(config)
+    output = Path(output)
+    writer = gguf.GGUFWriter(None, ARCH, use_temp_file=True)
+    add_hparams(writer, shape, weight_type, name or output.stem)
+    pre = add_vocab(writer, tokenizer_dir, shape.vocab_size, tokenizer_pre)
+    count = 0
+    for gguf_name, tensor in gguf_tensors(tensors, shape):
+        array = tensor.detach().to(torch.float32).cpu().numpy()
+        qtype = tensor_type(gguf_name, array, weight_type)
+        writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        count += 1
+    if count != expected_tensor_count(shape):
+        raise ExportError(f"GGUF export: got {count} tensors, a {shape.num_layers}-layer model has {expected_tensor_count(shape)}")
+    partial = output.with_name(output.name + ".partial")
+    try:
+        writer.write_header_to_file(path=partial)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return GGUFExportResult(output, weight_type, pre, count, output.stat().st_size, shape.cache_elements)
