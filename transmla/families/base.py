@@ -34,6 +34,7 @@ class Family:
     o_bias: bool | str = False
     decoder_layer_class: str = ""  # in the causal LM's modeling module, e.g. "LlamaDecoderLayer"
     embed_name: str = "model.embed_tokens.weight"
+    input_norm: str = "input_layernorm"  # the RMSNorm before attention, under layer_root
     # Renames one layer's stored tensors (prefix stripped) into the decoder layer's parameter
     # names, where transformers converts them on load (Mixtral's per-expert weights).
     layer_weight_adapter: Callable[[dict], dict] | None = None

@@ -1,0 +1,67 @@
+"""Which serving engines load a DeepSeek-format folder, and why the others do not.
+
+Rules read from the engines' own DeepSeek code (not run here: vLLM and SGLang need a GPU); each
+rule names what the engine does with a config that breaks it. `engine_report` is used by
+`export` (to refuse) and by `inspect` (to tell).
+"""
+
+from __future__ import annotations
+
+ENGINES = ("transformers", "vllm", "sglang")
+# vLLM's MLA attention backends take only these latent + rope widths (kv_lora_rank +
+# qk_rope_head_dim); its FlashMLA and CPU backends take only 576 (DeepSeek's 512 + 64).
+VLLM_MLA_WIDTHS = (320, 576)
+
+
+def padded_latent_size(kv_lora_rank: int, rope_dim: int) -> int:
+    """The smallest kv_lora_rank >= the given one whose width with the rope key vLLM accepts."""
+    for width in VLLM_MLA_WIDTHS:
+        if kv_lora_rank + rope_dim <= width:
+            return width - rope_dim
+    raise ValueError(
+        f"latent {kv_lora_rank} + rope {rope_dim} is wider than every MLA width vLLM accepts "
+        f"({', '.join(map(str, VLLM_MLA_WIDTHS))})"
+    )
+
+
+def _transformers(config: dict) -> str | None:
+    try:
+        from transformers import DeepseekV3ForCausalLM  # noqa: F401
+    except ImportError:
+        return "the installed transformers has no DeepseekV3 (needs 4.51 or later)"
+    return None
+
+
+def _common_serving(config: dict, name: str) -> str | None:
+    if config.get("attention_bias"):
+        return f"{name} has no attention biases and drops them silently (export with --drop-biases)"
+    if config.get("num_key_value_heads") != config.get("num_attention_heads"):
+        return f"{name} expects num_key_value_heads == num_attention_heads"
+    if not isinstance(config.get("n_routed_experts"), int):
+        return f"{name} reads n_routed_experts as an integer"
+    return None
+
+
+def _vllm(config: dict) -> str | None:
+    reason = _common_serving(config, "vLLM")
+    if reason:
+        return reason
+    width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    if width not in VLLM_MLA_WIDTHS:
+        return (
+            f"vLLM's MLA backends accept kv_lora_rank + qk_rope_head_dim of "
+            f"{' or '.join(map(str, VLLM_MLA_WIDTHS))}, not {width} (export with --pad-latent)"
+        )
+    return None
+
+
+def _sglang(config: dict) -> str | None:
+    return _common_serving(config, "SGLang")
+
+
+_RULES = {"transformers": _transformers, "vllm": _vllm, "sglang": _sglang}
+
+
+def engine_report(config: dict) -> dict[str, str | None]:
+    """engine -> None when it loads this DeepSeek config exactly, else the reason it does not."""
+    return {name: rule(config) for name, rule in _RULES.items()}
