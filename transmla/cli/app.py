@@ -14,6 +14,7 @@ import typer
 
 from .convert import convert
 from .evaluate import evaluate
+from .export import export
 from .generate import generate
 from .inspect import inspect
 from .signals import interrupt_on_signals
@@ -30,6 +31,7 @@ app.command()(convert)
 app.command()(inspect)
 app.command("eval")(evaluate)
 app.command()(generate)
+app.command()(export)
 
 
 def _register_optional() -> None:

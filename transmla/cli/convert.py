@@ -27,6 +27,8 @@ def convert(
     svd: Annotated[str, Opt(help="mha2mla: joint | split low rank of [K_nope; V].")] = "joint",
     svd_weighting: Annotated[str, Opt(help="mha2mla: activation (whiten by the calibration input covariance; far better training-free) | none (weight-only SVD, as published).")] = "activation",
     q_lora_rank: Annotated[int | None, Opt(help="Low-rank query of this rank (PCA).")] = None,
+    shared_rope: Annotated[bool, Opt("--shared-rope", help="transmla: one rope frequency grid in every layer (one component per FreqFold group, F = head_dim / rope-dim), the shape DeepSeek engines and llama.cpp run; see `transmla export`.")] = False,
+    format: Annotated[str, Opt("--format", help="native (our MLA format) | deepseek (a stock DeepseekV3ForCausalLM folder; implies --shared-rope).")] = "native",
     calib: Annotated[str, Opt(help="Calibration text: wiki | lee | PATH | dataset name.")] = "wiki",
     calib_samples: Annotated[int | None, Opt(help="Calibration sequences (default: the method's own, 2048 for transmla and mha2mla).")] = None,
     calib_seq_len: Annotated[int | None, Opt(help="Tokens per calibration sequence (default: the method's own, 16 for transmla and mha2mla; many short sequences measured better than few long ones).")] = None,
@@ -43,6 +45,7 @@ def convert(
     options = ConvertOptions(
         method=method, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs, kv_budget=kv_budget,
         freqfold=freqfold, rope_select=rope_select, svd=svd, svd_weighting=svd_weighting, q_lora_rank=q_lora_rank,
+        shared_rope=shared_rope, format=format,
         calib=calib, calib_samples=calib_samples, calib_seq_len=calib_seq_len, seed=seed, propagate=propagate,
         eval_data=eval_data, dtype=dtype, device=device, max_shard_size=max_shard_size, force=force,
     )

@@ -8,6 +8,7 @@ import typer
 
 from ..checkpoint.resolve import load_config
 from ..eval.kv import kv_summary
+from ..export.engines import engine_report
 from .common import JsonFlag, emit, pick_dtype
 
 
@@ -20,4 +21,7 @@ def inspect(
     """Show layers, heads, attention kind and KV-cache elements/bytes per token."""
     config = load_config(model)
     info = kv_summary(config, pick_dtype(dtype) if dtype else None, context)
+    if config.model_type == "deepseek_v3":  # an export: which engines load it, and why not
+        for engine, why in engine_report(config.to_dict()).items():
+            info[f"loads in {engine}"] = "yes" if why is None else f"no: {why}"
     emit({"model": model, **info}, as_json, "model")

@@ -18,6 +18,8 @@ class ConvertOptions:
     svd: str = "joint"  # joint | split (mha2mla)
     svd_weighting: str = "activation"  # activation (ours: whiten by the input covariance) | none (published)
     q_lora_rank: int | None = None
+    shared_rope: bool = False  # one rope frequency grid in every layer (exportable to DeepSeek/GGUF)
+    format: str = "native"  # native | deepseek (convert, then export; implies shared_rope)
     # Calibration.
     calib: str = "wiki"
     calib_samples: int | None = None  # None: the method's default (calibration_size)

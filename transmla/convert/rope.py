@@ -25,7 +25,7 @@ import torch
 from .lowrank import principal_basis
 from .replicate import rope_pair_rows
 
-SELECTIONS = ("uniform", "score")
+SELECTIONS = ("uniform", "score", "grid")
 FREQUENCY_RULES = ("published", "weighted")
 
 
@@ -174,6 +174,9 @@ def select_components(
 
     uniform (published TransMLA): the top num_pairs/G components of every fold group by key energy.
     score: the num_pairs components with the largest `scores`, wherever they are.
+    grid: one component per fold group (num_pairs = G), the one with the largest `scores` (key
+      energy without scores). With F = d/r and the published frequencies every layer then rotates
+      at the same grid w_(aF) = theta^(-2a/r): the shape DeepSeek engines run (one rope for all layers).
     """
     n = rotation.num_groups * rotation.group_width
     if not 0 <= num_pairs <= n:
@@ -188,6 +191,15 @@ def select_components(
         per = num_pairs // groups
         base = torch.arange(groups)[:, None] * rotation.group_width
         return (base + torch.arange(per)[None, :]).reshape(-1)
+    if rule == "grid":
+        groups, w = rotation.num_groups, rotation.group_width
+        if num_pairs != groups:
+            raise ValueError(
+                f"a shared rope grid keeps one pair per fold group: {num_pairs} rope pairs need freqfold "
+                f"{rotation.head_dim // (2 * num_pairs)}, got {rotation.fold} ({groups} groups)"
+            )
+        ranking = rotation.energy if scores is None else scores.view(groups, w)
+        return torch.arange(groups) * w + ranking.argmax(dim=1)
     if rule == "score":
         if scores is None:
             raise ValueError("score selection needs component scores")
@@ -406,7 +418,8 @@ def fold_candidates(head_dim: int, num_pairs: int, rule: str, max_fold: int = 8)
     out = []
     f = 1
     while f <= min(max_fold, half):
-        if half % f == 0 and (rule != "uniform" or num_pairs % (half // f) == 0):
+        fits = {"uniform": num_pairs % (half // f) == 0, "grid": half // f == num_pairs}.get(rule, True)
+        if half % f == 0 and fits:
             out.append(f)
         f *= 2
     return out

@@ -90,6 +90,21 @@ def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto",
     return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, q_lora_rank=q_lora_rank)
 
 
+def shared_rope_plan(plan: TransMLAPlan, head_dim: int) -> TransMLAPlan:
+    """--shared-rope: one rope grid in every layer (exportable to DeepSeek engines and llama.cpp).
+
+    FreqFold with F = d/r keeps one component per fold group (the best by score) at the group's
+    first frequency w_(aF) = theta^(-2a/r): DeepSeek's theta^(-2i/d_r) grid, the same in all layers.
+    """
+    pairs = plan.rope_dim // 2
+    if pairs == 0 or (head_dim // 2) % pairs:
+        raise ValueError(f"--shared-rope needs rope dims r with (head_dim/2) / (r/2) whole; got r = {plan.rope_dim}, head_dim {head_dim}")
+    fold = head_dim // plan.rope_dim
+    if plan.freqfold not in ("auto", fold):
+        raise ValueError(f"--shared-rope fixes freqfold to head_dim / rope-dim = {fold}; got --freqfold {plan.freqfold}")
+    return replace(plan, selection="grid", freqfold=fold, frequencies="published")
+
+
 # --------------------------------------------------------------------------------------------
 # One layer
 # --------------------------------------------------------------------------------------------
@@ -132,7 +147,7 @@ def _rope_choice(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan, fold
     rot = rorope(pair_second_moment(m.key, g, d), g, d, fold)
     num_pairs = plan.rope_dim // 2
     scores = None
-    if plan.selection == "score":
+    if plan.selection in ("score", "grid"):
         scores = component_scores(rot, query_pair_moment(m.query, g, d), src.inv_freq, plan.context)
     kept = select_components(rot, num_pairs, plan.selection, scores)
     freqs = kept_frequencies(rot, kept, src.inv_freq, plan.frequencies)
@@ -242,6 +257,11 @@ def resolve_shape(options: ConvertOptions, config) -> tuple[int, int]:
         if options.kv_lora_rank is not None or options.rope_dim is not None:
             raise ValueError("give either --kv-budget or --kv-lora-rank/--rope-dim, not both")
         R, r = transmla_budget(source, options.kv_budget, geo.head_dim, geo.num_kv_heads)
+        if options.shared_rope:  # one rope pair per fold group: r/2 must divide d/2; the latent takes the rest
+            shared = min(r, geo.head_dim)
+            while shared > 2 and (geo.head_dim // 2) % (shared // 2):
+                shared -= 2
+            R, r = R + r - shared, shared
     else:
         if options.kv_lora_rank is None or options.rope_dim is None:
             raise ValueError("transmla needs --kv-lora-rank and --rope-dim, or --kv-budget")
@@ -261,6 +281,8 @@ def plan_from_options(options: ConvertOptions, config) -> TransMLAPlan:
             raise ValueError(f"--freqfold must be an integer, 'auto' or 'logit', got {options.freqfold!r}") from None
         check_fold(fold, geo.head_dim)
     plan = default_plan(R, r, fold, options.q_lora_rank)
+    if options.shared_rope:
+        plan = shared_rope_plan(plan, geo.head_dim)
     if options.q_lora_rank is not None:
         q_out = geo.num_heads * (geo.head_dim + r)
         if not 1 <= options.q_lora_rank <= min(q_out, geo.hidden_size):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..families import attention_geometry
+from ..families import AttentionGeometry, attention_geometry
 from ..mla.config import MLAConfig
 from ..mla.model import is_mla_config, source_model_type
 
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
@@ -18,11 +19,19 @@ def config_dtype(config) -> torch.dtype:
     return dtype
 
 
+def _geometry(config):
+    if getattr(config, "model_type", "") in DEEPSEEK_TYPES:  # its head_dim is the rope key's
+        heads = config.num_attention_heads
+        return AttentionGeometry(config.hidden_size, heads, heads, config.qk_nope_head_dim + config.qk_rope_head_dim,
+                                 config.num_hidden_layers)
+    return attention_geometry(config)
+
+
 def kv_summary(config, dtype: torch.dtype | None = None, context: int | None = None) -> dict:
     """What one token costs in the KV cache, for a source (MHA/GQA) or converted (MLA) config."""
     dtype = dtype or config_dtype(config)
     nbytes = DTYPE_BYTES.get(dtype, torch.tensor([], dtype=dtype).element_size())
-    geo = attention_geometry(config)
+    geo = _geometry(config)
     info = {
         "architecture": source_model_type(config),
         "layers": geo.num_layers,
@@ -30,7 +39,13 @@ def kv_summary(config, dtype: torch.dtype | None = None, context: int | None = N
         "hidden_size": geo.hidden_size,
         "cache_dtype": str(dtype).removeprefix("torch."),
     }
-    if is_mla_config(config):
+    if getattr(config, "model_type", "") in DEEPSEEK_TYPES:  # an exported model: latent + shared rope key
+        elements = config.kv_lora_rank + config.qk_rope_head_dim
+        info.update(
+            attention="MLA", kv_heads=1, kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+            qk_nope_head_dim=config.qk_nope_head_dim, v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank,
+        )
+    elif is_mla_config(config):
         mla = MLAConfig.from_dict(config.mla)
         src = mla.source
         elements = mla.kv_elements_per_token_per_layer

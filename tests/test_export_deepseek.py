@@ -1,0 +1,265 @@
+"""DeepSeek-V3 export: stock transformers, in a process that never imports transmla, gives the
+native converted model's logits (prefill and token-by-token decode), and what cannot be exported
+exactly is refused with one line and nothing on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, save_word_tokenizer
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import transmla  # noqa: F401  (registers the native MLA models)
+from transmla.convert.api import convert
+from transmla.convert.mha2mla_method import mha2mla_layers
+from transmla.convert.options import ConvertOptions
+from transmla.convert.pipeline import write_mla_checkpoint
+from transmla.convert.replicate import replicate
+from transmla.convert.pipeline import source_layers
+from transmla.convert.transmla_method import plan_from_options, transmla_layers
+from transmla.export.deepseek import ExportError, ExportOptions, export_deepseek, norm_trick_scale
+
+STOCK = Path(__file__).parent / "engines" / "stock_transformers.py"
+IDS = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(5))
+CALIB = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _convert(src: Path, out: Path, **options) -> Path:
+    """The production conversion (calibrated on fixed ids), written to disk."""
+    config = AutoConfig.from_pretrained(src)
+    opts = ConvertOptions(device="cpu", **options)
+    if opts.method == "transmla":
+        layers, meta = transmla_layers(src, config, opts, progress=False, calib_ids=CALIB, plan=plan_from_options(opts, config))
+    elif opts.method == "mha2mla":
+        layers, meta = mha2mla_layers(src, config, opts, progress=False, calib_ids=CALIB)
+    else:
+        layers, meta = (replicate(s) for s in source_layers(src, config)), {"name": "lossless"}
+    write_mla_checkpoint(src, config, out, layers, meta, progress=False)
+    return out
+
+
+# case -> (family, source overrides, conversion options, export options)
+CASES = {
+    "llama-transmla-50": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
+    "llama-transmla-25": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
+    "qwen2-bias-transmla-50": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
+    "mistral-transmla-25": ("mistral", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
+    "llama-bias-transmla-50": ("llama", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
+    "llama-transmla-qlora": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True, q_lora_rank=16), {}),
+    "llama-mqa-lossless": ("llama", {"num_key_value_heads": 1}, dict(method="lossless"), {}),
+    "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform"), {}),
+    "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines=("vllm", "sglang", "transformers"), pad_latent=True)),
+    "qwen2-bias-dropped": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), dict(engines=("sglang",), drop_biases=True)),
+}
+LOSSY = {"qwen2-bias-dropped"}  # dropping biases changes the model: measured, not asserted equal
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Every case converted, exported and run once in stock transformers (one subprocess)."""
+    root = tmp_path_factory.mktemp("export")
+    natives, exports, results = {}, {}, {}
+    for i, (name, (family, src_kw, conv, exp)) in enumerate(CASES.items()):
+        src = root / f"{name}-src"
+        make_tiny_model(family, src, seed=i, **src_kw)
+        natives[name] = _convert(src, root / f"{name}-mla", **conv)
+        exports[name] = root / f"{name}-ds"
+        results[name] = export_deepseek(natives[name], exports[name], ExportOptions(**exp), progress=False)
+    save_file({"ids": IDS}, str(root / "ids.safetensors"))
+    proc = subprocess.run(
+        [sys.executable, str(STOCK), str(root / "ids.safetensors"), str(root), *map(str, exports.values())],
+        capture_output=True, text=True, cwd=root, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    infos = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    stock = {name: (info, load_file(str(root / f"{i}.safetensors"))) for i, (name, info) in enumerate(zip(exports, infos))}
+    return natives, exports, results, stock
+
+
+def _native_logits(folder: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        prefill = model(IDS).logits
+        out = model(IDS[:, :1], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits[:, -1]]
+        for t in range(1, IDS.shape[1]):
+            out = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache, steps = out.past_key_values, steps + [out.logits[:, -1]]
+    return {"prefill": prefill, "decode": torch.stack(steps, 1)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / a.abs().max())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in LOSSY])
+def test_stock_transformers_equals_native(exported, case):
+    natives, exports, results, stock = exported
+    info, logits = stock[case]
+    assert info["class"] == "DeepseekV3ForCausalLM" and not info["transmla_imported"]
+    native = _native_logits(natives[case])
+    for kind in ("prefill", "decode"):
+        assert _rel(native[kind], logits[kind]) <= 1e-5, (case, kind, _rel(native[kind], logits[kind]))
+    # No remote code: a stock model type and no auto_map.
+    config = json.loads((exports[case] / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and "auto_map" not in config
+    assert (exports[case] / "tokenizer.json").exists() or not (natives[case] / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stock_transformers_caches_the_latent(exported, case):
+    """transformers (5.x) keeps DeepSeek's latent and rope key per token: d_c + d_r values per layer."""
+    natives, exports, results, stock = exported
+    info, _ = stock[case]
+    config = json.loads((exports[case] / "config.json").read_text())
+    B, T = IDS.shape
+    assert info["cache_keys"] == [B, 1, T, config["kv_lora_rank"]]
+    assert info["cache_values"] == [B, 1, T, config["qk_rope_head_dim"]]
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == results[case].kv_elements_per_token_per_layer
+
+
+def test_padded_latent_is_a_width_vllm_accepts(exported):
+    natives, exports, results, _ = exported
+    r = results["llama-transmla-25-padded"]
+    assert r.kv_elements_per_token_per_layer == 320 and r.record["padded_latent"]
+    assert r.engines == {"transformers": None, "vllm": None, "sglang": None}
+
+
+def test_dropped_biases_load_everywhere_and_change_little(exported):
+    natives, exports, results, stock = exported
+    r = results["qwen2-bias-dropped"]
+    assert r.record["dropped_biases"] and r.engines["sglang"] is None
+    config = json.loads((exports["qwen2-bias-dropped"] / "config.json").read_text())
+    assert config["attention_bias"] is False
+    native = _native_logits(natives["qwen2-bias-dropped"])["prefill"]
+    assert _rel(native, stock["qwen2-bias-dropped"][1]["prefill"]) > 1e-4  # the biases were real
+
+
+def test_query_bias_travels_through_a_full_rank_q_a(exported):
+    natives, exports, results, _ = exported
+    config = json.loads((exports["qwen2-bias-transmla-50"] / "config.json").read_text())
+    assert config["attention_bias"] and config["q_lora_rank"] == 48 + 1  # hidden size + the constant
+    assert results["qwen2-bias-transmla-50"].record["query_bias_via_q_lora"]
+
+
+# -- refusals: one line, nothing on disk ----------------------------------------------------------
+
+
+def _nothing_written(out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
+
+
+@pytest.fixture
+def native(tmp_path):
+    def make(family="llama", src_kw=None, **conv):
+        src = tmp_path / f"{family}-src"
+        make_tiny_model(family, src, **(src_kw or {}))
+        return _convert(src, tmp_path / f"{family}-mla", **conv)
+
+    return make
+
+
+def test_refuses_rope_frequencies_that_differ_between_layers(native, tmp_path):
+    folder = native(method="transmla", kv_budget=0.25, shared_rope=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["mla"]["rope_inv_freq"][1] = [f * 0.5 for f in cfg["mla"]["rope_inv_freq"][1]]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out" / "ds"
+    out.parent.mkdir()
+    with pytest.raises(ExportError, match="differ between layers.*--shared-rope"):
+        export_deepseek(folder, out, ExportOptions(), progress=False)
+    _nothing_written(out)
+
+
+def test_refuses_frequencies_off_the_grid(native, tmp_path):
+    """Lossless GQA keeps both KV heads' rope pairs: every frequency twice, not one grid."""
+    folder = native(method="lossless")
+    with pytest.raises(ExportError, match="not one grid"):
+        export_deepseek(folder, tmp_path / "ds", ExportOptions(), progress=False)
+    _nothing_written(tmp_path / "ds")
+
+
+def test_refuses_fp16(native, tmp_path):
+    folder = native(method="transmla", kv_budget=0.5, shared_rope=True)
+    with pytest.raises(ExportError, match="fp16"):
+        export_deepseek(folder, tmp_path / "ds", ExportOptions(dtype="fp16"), progress=False)
+    _nothing_written(tmp_path / "ds")
+
+
+def test_refuses_biases_for_an_engine_without_them(native, tmp_path):
+    folder = native("qwen2", {"bias": True}, method="transmla", kv_budget=0.5, shared_rope=True)
+    with pytest.raises(ExportError, match="sglang has no attention biases.*--drop-biases"):
+        export_deepseek(folder, tmp_path / "ds", ExportOptions(engines=("sglang",)), progress=False)
+    _nothing_written(tmp_path / "ds")
+
+
+def test_refuses_a_width_vllm_rejects_without_padding(native, tmp_path):
+    folder = native(method="transmla", kv_budget=0.25, shared_rope=True)
+    with pytest.raises(ExportError, match="vllm would not load.*--pad-latent"):
+        export_deepseek(folder, tmp_path / "ds", ExportOptions(engines=("vllm",)), progress=False)
+    _nothing_written(tmp_path / "ds")
+
+
+def test_refuses_mixtral_with_the_router_reason(native, tmp_path):
+    folder = native("mixtral", method="transmla", kv_budget=0.5, shared_rope=True)
+    with pytest.raises(ExportError, match="router"):
+        export_deepseek(folder, tmp_path / "ds", ExportOptions(), progress=False)
+    _nothing_written(tmp_path / "ds")
+
+
+def test_shared_rope_is_refused_where_a_method_cannot_share_one_grid(tiny_factory, tmp_path):
+    _, src = tiny_factory("llama")
+    with pytest.raises(ValueError, match="lossless keeps the rope pairs of all 2 KV heads"):
+        convert(str(src), tmp_path / "out", ConvertOptions(method="lossless", shared_rope=True), progress=False)
+
+
+def test_norm_trick_bound_holds_for_any_input():
+    """The scale keeps s^2 mean(c^2) / eps tiny for every x the input norm can produce."""
+    torch.manual_seed(0)
+    w, b, ln = torch.randn(12, 40), torch.randn(12), torch.rand(40) * 3
+    s = norm_trick_scale(w, b, ln, 12)
+    h = torch.randn(1000, 40) * torch.logspace(-3, 3, 1000)[:, None]
+    x = ln * h / h.pow(2).mean(-1, keepdim=True).sqrt()
+    c = (x @ w.T + b).double()
+    assert float((s * c).pow(2).mean(-1).max()) / 1e-6 <= 1e-9
+    assert s == 2.0 ** round(torch.log2(torch.tensor(s)).item())  # a power of two: exact in any dtype
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def test_cli_convert_format_deepseek_equals_export_of_shared_rope(cli, tmp_path):
+    """`convert --format deepseek` in one step gives the export of a `--shared-rope` conversion."""
+    src = tmp_path / "src"
+    make_tiny_model("llama", src)
+    save_word_tokenizer(src)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(4000)))
+    common = ["--method", "transmla", "--kv-budget", "0.25", "--calib", text, "--calib-samples", "8", "--calib-seq-len", "16", "--device", "cpu"]
+    code, out, err = cli("convert", src, tmp_path / "one", *common, "--format", "deepseek", "--json")
+    assert code == 0, err
+    assert json.loads(out)["kv_elements_per_token_per_layer"] == 8
+    code, _, err = cli("convert", src, tmp_path / "mla", *common, "--shared-rope")
+    assert code == 0, err
+    code, out, err = cli("export", tmp_path / "mla", tmp_path / "two", "--json")
+    assert code == 0, err
+    a, b = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the native intermediate is gone
+    code, out, err = cli("inspect", tmp_path / "one", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["kv_elements_per_token_per_layer"] == 8 and info["attention"] == "MLA"
+    assert info["loads in transformers"] == "yes" and info["loads in vllm"].startswith("no: vLLM's MLA backends accept")
+
+
+def test_cli_export_error_is_one_line(cli, native, tmp_path):
+    folder = native(method="lossless")
+    code, out, err = cli("export", folder, tmp_path / "ds")
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "not one grid" in err
