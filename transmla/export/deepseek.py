@@ -160,9 +160,10 @@ def shared_rope_grid(mla: dict, source_rope: dict, max_positions: int) -> tuple[
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         # theta'^(-2/d_r) = w_1 / w_0 with w_0 = 1: the grid's ratio fixes theta'.
-        theta = float(source_rope.get("rope_theta", 10000.0)) if ranked.numel() < 2 else float(
-            (ranked[0] / ranked[1]) ** (d_r / 2)
-        )
+        source_theta = float(source_rope.get("rope_theta", 10000.0))
+        theta = source_theta if ranked.numel() < 2 else float((ranked[0] / ranked[1]) ** (d_r / 2))
+        if math.isclose(theta, source_theta, rel_tol=1e-4):  # FreqFold's grid: the source's own theta
+            theta = source_theta
     else:  # scaled ropes (llama3, linear, yarn): the grid must be the source theta's
         theta = float(source_rope["rope_theta"])
     params["rope_theta"] = theta
@@ -480,6 +481,12 @@ def export_deepseek(model_dir: str | Path, output: str | Path, options: ExportOp
         config.dtype = out_dtype
         config.save_pretrained(tmp)
         data = json.loads((tmp / "config.json").read_text())
+        for derived in ("head_dim", "qk_head_dim"):  # recomputed on load; a stale head_dim misleads some engines
+            data.pop(derived, None)
+        # SGLang (and older vLLM) read the rope from top-level rope_theta / rope_scaling.
+        rope = plan.config["rope_parameters"]
+        data["rope_theta"] = rope["rope_theta"]
+        data["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else dict(rope)
         data[EXPORT_KEY] = plan.record
         (tmp / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         copy_tokenizer_files(model_dir, tmp)

@@ -1,7 +1,11 @@
 """Which serving engines load a DeepSeek-format folder, and why the others do not.
 
-Rules read from the engines' own DeepSeek code (not run here: vLLM and SGLang need a GPU); each
-rule names what the engine does with a config that breaks it. `engine_report` is used by
+Rules read from the engines' own DeepSeek code (vllm/model_executor/models/deepseek_v2.py and its
+MLA backends, sglang/srt/models/deepseek_v2.py; not run here: both need a GPU); each rule names
+what the engine does with a config that breaks it. Beyond these: vLLM's FlashMLA, CUTLASS,
+FlashInfer and CPU MLA backends take only 512 + 64 (320 runs on its Triton MLA backend), and on
+Hopper its prefill pairs qk_head_dim with v_head_dim (equal, or 128 < qk <= 192 with 96 < v <= 128,
+or qk <= 64): README "Serve it" lists them. `engine_report` is used by
 `export` (to refuse) and by `inspect` (to tell).
 """
 
@@ -39,6 +43,11 @@ def _common_serving(config: dict, name: str) -> str | None:
         return f"{name} expects num_key_value_heads == num_attention_heads"
     if not isinstance(config.get("n_routed_experts"), int):
         return f"{name} reads n_routed_experts as an integer"
+    rope_type = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope_type not in ("default", "deepseek_yarn"):
+        return f"{name} computes every scaled DeepSeek rope as DeepSeek-YaRN, not {rope_type}"
+    if config.get("qk_nope_head_dim") == 0:
+        return f"{name}'s MLA kernels need a no-rope query/key part (qk_nope_head_dim is 0)"
     return None
 
 

@@ -1,0 +1,165 @@
+"""DeepSeek-format export of the built-in SmolLM2-135M: what the exportable rope costs, and that
+stock transformers gives the native model's perplexity.
+
+    .venv/bin/python eval/deepseek_export_bench.py            # every phase (resumes from its cache)
+
+DeepSeek engines share one rope grid theta^(-2i/d_r) in every layer. `convert --shared-rope`
+keeps one RoRoPE/FreqFold component per fold group (F = d/r) at the group's first frequency.
+Which component (open decision, chosen on the dev32 windows of transmla_bench.py, never on test
+windows): the one with the largest expected score change (ours, "grid-score") or the one with the
+largest key energy (the published TransMLA selection with F = d/r, "grid-energy", the dev
+baseline). Both beside today's defaults (score selection anywhere: not exportable).
+Then, at 50 / 25 / 12.5% of the cache (128+64, 64+32, 32+16), with the CLI's default calibration:
+- the native model of the chosen variant and of today's defaults, evaluated in a process that
+  imports transmla; the export of the chosen variant (`transmla export`), evaluated in a process
+  that never imports it (stock DeepseekV3ForCausalLM); the source, stock too;
+- wiki-test 32 windows (ANCHORS.md) and lee-test (all 29 of its windows), 512 tokens each.
+Writes eval/results/deepseek_export.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transmla_bench import BUDGETS, CACHE, SEQ, Bench, cli_defaults, log, ours_layers
+
+from transmla.convert.pipeline import write_mla_checkpoint
+from transmla.eval.report import environment
+from transmla.export.deepseek import ExportOptions, export_deepseek
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+WORK = CACHE / "deepseek-export"
+STOCK_PPL = ROOT / "engines_stock_ppl.py"
+HEAD_DIM = 64
+# Plan overrides of each variant (on top of the CLI defaults' plan; F = d/r for the grid ones).
+VARIANTS = {
+    "defaults (not exportable)": lambda r: {},
+    "grid-score": lambda r: {"selection": "grid", "freqfold": HEAD_DIM // r},
+    "grid-energy": lambda r: {"selection": "uniform", "freqfold": HEAD_DIM // r},
+}
+
+
+def dev32(b: Bench) -> str:
+    """Every variant on dev32; returns the exportable one with the lower summed log perplexity."""
+    calib, propagate = cli_defaults()
+    b.cached("dev32/source", lambda: b.dev32_ppl(b.source_model()))
+    for budget, (R, r, _) in BUDGETS.items():
+        for name, overrides in VARIANTS.items():
+            b.cached(f"export-dev32/{budget}/{name}", lambda: b.dev32_ppl(
+                b.model(ours_layers(b, budget, calib, propagate, **overrides(r))[0])))
+    score = {n: sum(math.log(b.results[f"export-dev32/{k}/{n}"]["ppl"]) for k in BUDGETS) for n in ("grid-score", "grid-energy")}
+    return min(score, key=score.get)
+
+
+def write_native(b: Bench, budget: str, name: str, overrides: dict) -> Path:
+    calib, propagate = cli_defaults()
+    out = WORK / f"{budget[:-1]}-{name.split()[0]}-native"
+    if not (out / "config.json").exists():
+        layers, _ = ours_layers(b, budget, calib, propagate, **overrides)
+        plan = replace(__import__("transmla_bench").ours_plan(budget), **overrides)
+        write_mla_checkpoint(b.src_dir, b.config, out, iter(layers), {"name": "transmla", "plan": plan.to_dict()},
+                             force=True, progress=False)
+    return out
+
+
+def evaluate(folders: list[Path], windows: Path, import_transmla: bool) -> list[dict]:
+    cmd = [sys.executable, str(STOCK_PPL), str(windows), *map(str, folders)] + (["--import-transmla"] if import_transmla else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=WORK)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def final(b: Bench, chosen: str) -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    windows = WORK / "windows.safetensors"
+    save_file({"wiki_test_32": b.wiki[: 32 * SEQ].view(32, SEQ).contiguous(),
+               "lee_test": b.lee[: (b.lee.numel() // SEQ) * SEQ].view(-1, SEQ).contiguous()}, str(windows))
+    b.cached("export-final/source", lambda: evaluate([b.src_dir], windows, False)[0])
+    for budget, (R, r, _) in BUDGETS.items():
+        def run() -> dict:
+            start = time.perf_counter()
+            default = write_native(b, budget, "defaults", {})
+            native = write_native(b, budget, chosen, VARIANTS[chosen](r))
+            exported = WORK / f"{budget[:-1]}-{chosen}-deepseek"
+            result = export_deepseek(native, exported, ExportOptions(force=True), progress=False)
+            nat_default, nat_shared = evaluate([default, native], windows, True)
+            stock = evaluate([exported], windows, False)[0]
+            assert stock["class"] == "DeepseekV3ForCausalLM" and not stock["transmla_imported"]
+            return {"defaults_native": nat_default, "shared_native": nat_shared, "shared_exported": stock,
+                    "export_record": result.record, "chosen": chosen, "seconds": round(time.perf_counter() - start, 1)}
+        b.cached(f"export-final/{budget}", run)
+
+
+def report(b: Bench, chosen: str) -> None:
+    r = b.results
+    texts = ("wiki_test_32", "lee_test")
+    out = {"machine": environment(), "chosen_variant": chosen, "variants": list(VARIANTS),
+           "results": {k: v for k, v in r.items() if k.startswith(("export-", "dev32/source"))}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "deepseek_export.json").write_text(json.dumps(out, indent=1, sort_keys=True))
+    src = r["export-final/source"]
+    lines = [
+        "# DeepSeek-format export of SmolLM2-135M (training-free TransMLA, fp32)",
+        "",
+        f"Machine: {out['machine']['machine']}, torch {out['machine']['torch']}, transformers "
+        f"{out['machine']['transformers']}. Re-run: `python eval/deepseek_export_bench.py`.",
+        "",
+        "## Which component each fold group keeps (dev32: 16 wiki + 16 lee windows, pooled perplexity)",
+        "",
+        "| cache (R + r) | " + " | ".join(VARIANTS) + " |",
+        "|---|" + "---|" * len(VARIANTS),
+    ]
+    for budget, (R, rr, _) in BUDGETS.items():
+        cells = [f"{r[f'export-dev32/{budget}/{n}']['ppl']:.2f}" for n in VARIANTS]
+        lines.append(f"| {budget} ({R} + {rr}) | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Chosen for `--shared-rope`: **{chosen}** (lower summed log perplexity over the three budgets). "
+        f"Source on dev32: {r['dev32/source']['ppl']:.2f}.",
+        "",
+        "## Test windows: the exportable rope's cost, and the export in stock transformers",
+        "",
+        "Native models run in a process that imports transmla; the export and the source in one that never does "
+        "(stock `DeepseekV3ForCausalLM` / `LlamaForCausalLM`). Same windows, same scoring code.",
+        "",
+        "| cache (R + r) | text | source | today's defaults (native) | --shared-rope (native) | its export, stock transformers | export vs native | cost of the shared rope |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for budget, (R, rr, _) in BUDGETS.items():
+        e = r[f"export-final/{budget}"]
+        for t in texts:
+            d, n, x = e["defaults_native"][t]["ppl"], e["shared_native"][t]["ppl"], e["shared_exported"][t]["ppl"]
+            lines.append(
+                f"| {budget} ({R} + {rr}) | {t} | {src[t]['ppl']:.2f} | {d:.2f} | {n:.2f} | {x:.2f} | "
+                f"{100 * (x / n - 1):+.4f}% | {100 * (n / d - 1):+.1f}% |"
+            )
+    rec = r[f"export-final/{next(iter(BUDGETS))}"]["export_record"]
+    lines += [
+        "",
+        f"The export sets rms_norm_eps to 1e-6 for every norm (the source uses {rec['source_rms_norm_eps']}): "
+        "transformers fixes 1e-6 for the latent norm and the other engines read one eps for all norms; the "
+        "'export vs native' column includes that change.",
+    ]
+    (RESULTS / "deepseek_export.md").write_text("\n".join(lines) + "\n")
+    log("wrote eval/results/deepseek_export.{json,md}")
+
+
+def main() -> None:
+    b = Bench()
+    chosen = dev32(b)
+    final(b, chosen)
+    report(b, chosen)
+
+
+if __name__ == "__main__":
+    main()
