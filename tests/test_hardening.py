@@ -231,9 +231,9 @@ def test_sigkill_leftovers_removed_by_next_run(slow_source, tmp_path, cli):
 
 
 def test_live_runs_temporaries_are_kept_and_old_version_leftovers_removed(tmp_path):
-    from transmla.checkpoint.writer import _locked_tmp_dir, remove_stale_temporaries
+    from transmla.checkpoint.writer import scratch_dir, remove_stale_temporaries
 
-    with _locked_tmp_dir(tmp_path, "live") as live:
+    with scratch_dir(tmp_path, "live") as live:
         (live / "model.safetensors").write_bytes(b"x")
         old_version = tmp_path / ".gone.tmp-abc123"  # no lock file: a run of an older version
         old_version.mkdir()

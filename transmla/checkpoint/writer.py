@@ -277,7 +277,7 @@ def remove_stale_temporaries(parent: Path) -> list[str]:
 
 
 @contextmanager
-def _locked_tmp_dir(parent: Path, name: str) -> Iterator[Path]:
+def scratch_dir(parent: Path, name: str) -> Iterator[Path]:
     """A new `.NAME.tmp-XXXX` folder in ``parent``, locked by this process; removed at the end
     unless it was moved away (the lock is released only after that)."""
     fd, lock_name = tempfile.mkstemp(prefix=f".{name}{TMP_MARK}", suffix=LOCK_SUFFIX, dir=parent)
@@ -319,7 +319,7 @@ def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]
     target.parent.mkdir(parents=True, exist_ok=True)
     for line in remove_stale_temporaries(target.parent):
         stderr_console.print(f"[dim]{line}[/dim]", highlight=False)
-    with _locked_tmp_dir(target.parent, target.name) as tmp:
+    with scratch_dir(target.parent, target.name) as tmp:
         yield tmp
         check()
         if target.exists():

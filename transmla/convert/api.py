@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import os
 from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint.resolve import load_config, resolve_model_dir
-from ..checkpoint.writer import parse_size
+from ..checkpoint.writer import parse_size, scratch_dir
 from ..dtypes import torch_dtype
 from ..families import attention_geometry, family_for
 from ..mla.model import is_mla_config
@@ -76,15 +75,13 @@ def _convert_and_export(source_dir, config, output: Path, layers, meta, options,
     """--format deepseek: the native model is written beside OUTPUT, exported into OUTPUT, then removed."""
     from ..export.deepseek import export_deepseek
 
+    output = Path(os.path.abspath(output))
     output.parent.mkdir(parents=True, exist_ok=True)
-    native = Path(tempfile.mkdtemp(prefix=f".{output.name}.native-", dir=output.parent))
-    try:
+    with scratch_dir(output.parent, output.name) as native:  # locked: a killed run's is removed by the next
         result = write_mla_checkpoint(
             source_dir, config, native / "model", layers, meta,
             dtype=options.dtype, max_shard_size=options.max_shard_size, progress=progress,
         )
         exported = export_deepseek(native / "model", output, export_options, progress=progress)
-    finally:
-        shutil.rmtree(native, ignore_errors=True)
     return replace(result, output=str(output), files=exported.files,
                    kv_elements_per_token_per_layer=exported.kv_elements_per_token_per_layer)
