@@ -46,14 +46,11 @@ from ..families import family_for
 from ..mla.model import MODEL_TYPE_PREFIX
 from ..progress import progress_bar
 from .engines import ENGINES, engine_report, padded_latent_size
+from .errors import ExportError
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3 hard-codes this eps for kv_a/q_a_layernorm
 NORM_TRICK_TOLERANCE = 1e-9  # s^2 * bound(mean c^2) / eps: relative latent error <= 5e-10
 EXPORT_KEY = "transmla_export"  # our record in the exported config.json
-
-
-class ExportError(ValueError):
-    """A model that cannot be exported exactly to the asked format (one-line reason)."""
 
 
 @dataclass
