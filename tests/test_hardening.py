@@ -292,3 +292,113 @@ def test_bare_command_prints_help():
     proc = _console()
     assert proc.returncode == 0 and "Usage: transmla" in proc.stdout and "Commands" in proc.stdout
     assert "error" not in proc.stderr.lower(), proc.stderr
+
+
+# --- 5. never write outside the output folder, never destroy the source ------------------------
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("layout", ["same", "inside", "around"])
+def test_output_may_not_be_or_overlap_the_source(mla, tmp_path, cli, layout):
+    import shutil
+
+    src = tmp_path / "models" / "src"
+    shutil.copytree(mla / "src", src)
+    before = _tree(tmp_path / "models")
+    out = {"same": src, "inside": src / "mla", "around": src.parent}[layout]
+    code, _, err = cli("convert", src, out, "--force")
+    assert code == 1 and "source folder" in err, err
+    assert _tree(tmp_path / "models") == before
+
+
+def test_symlinked_tokenizer_file_leaving_the_source_is_refused(mla, tmp_path, cli):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(mla / "src", src)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    (src / "tokenizer_config.json").unlink()
+    (src / "tokenizer_config.json").symlink_to(secret)
+    code, _, err = cli("convert", src, tmp_path / "out")
+    assert code == 1 and "tokenizer_config.json" in err and "outside" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_symlinks_within_the_source_and_hf_cache_layout_are_followed(mla, tmp_path):
+    import shutil
+
+    from transmla.checkpoint.files import copy_tokenizer_files
+
+    repo = tmp_path / "models--org--tiny"
+    snap = repo / "snapshots" / "abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    shutil.copy(mla / "src" / "tokenizer.json", repo / "blobs" / "f00")
+    (snap / "tokenizer.json").symlink_to("../../blobs/f00")
+    (snap / "tokenizer_config.json").write_text("{}")
+    (snap / "special_tokens_map.json").symlink_to("tokenizer_config.json")  # within the folder
+    assert copy_tokenizer_files(snap, tmp_path / "out") == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (mla / "src" / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("link", ["model", "recipe.yaml", "checkpoints"])
+def test_finetune_never_writes_through_a_symlink(mla, tmp_path, link):
+    from transmla.finetune.recipe import parse_recipe
+    from transmla.finetune.train import run_finetune
+
+    out = tmp_path / "run"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("precious")
+    (out / link).symlink_to(elsewhere if link != "recipe.yaml" else elsewhere / "config.json")
+    with pytest.raises(ValueError, match="symlink"):
+        run_finetune(parse_recipe(_recipe(mla, out)), progress=False, force=True)
+    assert _tree(elsewhere) == {"config.json": b"precious"}
+
+
+def test_finetune_output_dir_empty_or_earlier_run_or_force(mla, tmp_path, cli):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(mla, out, train={**_recipe(mla, out)["train"], "steps": 2})))
+    code, _, err = cli("finetune", recipe)
+    assert code == 1 and "not empty" in err and "--force" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    code, _, err = cli("finetune", recipe, "--force", "--json")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model" / "config.json").is_file()
+    code, _, err = cli("finetune", recipe, "--set", f"output_dir={tmp_path / 'again'}", "--json")
+    assert code == 0, err
+    code, _, err = cli("finetune", recipe, "--set", f"output_dir={tmp_path / 'again'}", "--json")  # an earlier run: resumes
+    assert code == 0, err
+
+
+# --- 6. the project's own warnings reach the user; meaningless settings are errors ------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--method", "transmla", "--kv-budget", "1.5"], "between 0 and 1"),
+    (["--method", "mha2mla", "--kv-budget", "1"], "between 0 and 1"),
+    (["--method", "transmla", "--kv-budget", "0"], "between 0 and 1"),
+    (["--method", "lossless", "--kv-budget", "0.25"], "--kv-budget does not apply to --method lossless"),
+    (["--method", "lossless", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to --method lossless"),
+])
+def test_meaningless_cache_settings_are_errors(mla, tmp_path, cli, args, needle):
+    code, _, err = cli("convert", mla / "src", tmp_path / "out", *args)
+    assert code == 1 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method, shape", [("transmla", ["-R", "28", "-r", "4"]), ("mha2mla", ["-R", "28", "-P", "1"])])
+def test_no_shrink_warning_is_shown(mla, tmp_path, cli, method, shape):
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i % 50}" for i in range(3000)))
+    code, _, err = cli("convert", mla / "src", tmp_path / "out", "--method", method, *shape,
+                       "--calib", tmp_path / "t.txt", "--calib-samples", "8", "--calib-seq-len", "16")
+    assert code == 0, err
+    assert "warning:" in err and "the cache does not shrink" in err, err

@@ -26,6 +26,26 @@ def tokenizer_file_names(src_dir: str | Path) -> list[str]:
     return names
 
 
+def _link_root(folder: Path) -> Path:
+    """Where a file's symlink may point: the folder itself, or for a Hugging Face cache snapshot
+    (models--ORG--NAME/snapshots/REV, whose files link to ../../blobs) the repository's folder."""
+    real = folder.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def inside_folder(folder: str | Path, name: str) -> Path:
+    """``folder / name`` if it stays within ``folder`` once symlinks are followed; a symlink that
+    leads elsewhere is refused (a planted link would copy an unrelated file into the output)."""
+    folder = Path(folder)
+    path = folder / name
+    real = path.resolve()
+    if not real.is_relative_to(_link_root(folder)):
+        raise ValueError(f"{path} is a symlink to {real}, outside {folder}: refusing to read it")
+    return path
+
+
 def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     """Copy whichever tokenizer/generation files exist from ``src_dir``; return their names."""
     src, dst = Path(src_dir), Path(dst_dir)
@@ -34,5 +54,8 @@ def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     dst.mkdir(parents=True, exist_ok=True)
     names = tokenizer_file_names(src)
     for name in names:
-        shutil.copyfile(src / name, dst / name)  # follows symlinks (HF cache snapshots)
+        target = dst / name
+        if target.is_symlink():
+            raise ValueError(f"{target} is a symlink: refusing to write through it")
+        shutil.copyfile(inside_folder(src, name), target)  # links within the folder (HF cache snapshots) are followed
     return names

@@ -123,7 +123,7 @@ class ShardedWriter:
             return
         path = self.out_dir / _part_name(len(self._parts) + 1)
         save_file(self._buffer, str(path), metadata={"format": "pt"})
-        os.chmod(path, 0o666 & ~_current_umask())  # safetensors creates files owner-only
+        usual_file_mode(path)
         self._parts.append(list(self._buffer))
         self._buffer = {}
         self._buffer_bytes = 0
@@ -184,6 +184,11 @@ class ShardedWriter:
 
 def _is_nonempty_dir(path: Path) -> bool:
     return any(path.iterdir())
+
+
+def usual_file_mode(path: Path) -> None:
+    """Give a file the mode a plain open() would (safetensors creates files owner-only, 0600)."""
+    os.chmod(path, 0o666 & ~_current_umask())
 
 
 def _current_umask() -> int:

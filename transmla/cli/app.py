@@ -12,6 +12,7 @@ import warnings
 
 import typer
 
+from ..messages import TransMLAWarning
 from .convert import convert
 from .evaluate import evaluate
 from .export import export
@@ -52,12 +53,29 @@ def _register_optional() -> None:
 _register_optional()
 
 
+# Libraries whose warnings a CLI user cannot act on; silenced by module name. Our own warnings
+# (transmla.messages.TransMLAWarning) are always shown, as one "warning:" line.
+QUIET_MODULES = r"(torch|transformers|accelerate|huggingface_hub|tokenizers|safetensors|gguf|matplotlib|pydantic|numpy|gensim|smart_open)(\.|$)"
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if issubclass(category, TransMLAWarning):
+        print(f"warning: {message}", file=file or sys.stderr)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=QUIET_MODULES)
+    warnings.filterwarnings("always", category=TransMLAWarning)
+    warnings.showwarning = _show_warning
     try:
         from transformers.utils import logging as hf_logging
 

@@ -35,6 +35,34 @@ def check_shared_rope(options: ConvertOptions, config) -> None:
         )
 
 
+def refuse_overlap(source_dir: Path, output: Path) -> None:
+    """The output may be neither the source folder, nor inside it, nor around it (--force would
+    replace the source with its conversion)."""
+    src, out = Path(os.path.realpath(source_dir)), Path(os.path.realpath(output))
+    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+        relation = "is" if out == src else ("is inside" if out.is_relative_to(src) else "contains")
+        raise ValueError(f"output {output} {relation} the source folder {source_dir}: choose another output folder")
+
+
+def check_meaningful(options: ConvertOptions) -> None:
+    """Settings that would silently give no saving, or be ignored, are errors."""
+    if options.kv_budget is not None and not 0 < options.kv_budget < 1:
+        raise ValueError(
+            f"--kv-budget is the fraction of the source's KV cache to keep, between 0 and 1 (exclusive), "
+            f"got {options.kv_budget}; --method lossless keeps all of it"
+        )
+    if options.method == "lossless":
+        given = [flag for flag, value in (
+            ("--kv-budget", options.kv_budget), ("--kv-lora-rank", options.kv_lora_rank), ("--rope-dim", options.rope_dim),
+            ("--rope-pairs", options.rope_pairs), ("--q-lora-rank", options.q_lora_rank),
+        ) if value is not None]
+        if given:
+            raise ValueError(
+                f"{given[0]} does not apply to --method lossless (it keeps the whole cache); "
+                "use --method transmla or mha2mla to shrink the cache"
+            )
+
+
 def convert(source: str, output: str | Path, options: ConvertOptions, progress: bool = True) -> ConvertResult:
     if options.format not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {options.format!r}")
@@ -43,6 +71,7 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
     if options.dtype is not None:
         torch_dtype(options.dtype)  # fail before any work on a bad name
     parse_size(options.max_shard_size)  # fail early on a bad size
+    check_meaningful(options)
     method = get_method(options.method)
     output = Path(output)
     if output.exists() and not output.is_dir():
@@ -55,6 +84,7 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
 
         export_options = ExportOptions(dtype=options.dtype, max_shard_size=options.max_shard_size, force=options.force)
     source_dir = resolve_model_dir(source)
+    refuse_overlap(source_dir, output)
     config = load_config(source_dir)
     if is_mla_config(config):
         raise ValueError(f"{source} is already an MLA model")

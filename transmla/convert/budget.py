@@ -6,7 +6,7 @@ third of the budget as rope dims (SmolLM2: 128 + 64, 64 + 32, 32 + 16 for 50/25/
 
 from __future__ import annotations
 
-import warnings
+from ..messages import warn
 
 
 def transmla_budget(source_kv_elements: int, fraction: float, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
@@ -43,10 +43,9 @@ def validate_transmla_shape(kv_lora_rank: int, rope_dim: int, head_dim: int, num
             f"(2 * {num_kv_heads} KV heads * {head_dim} - rope dim {rope_dim})"
         )
     if kv_lora_rank + rope_dim >= full:
-        warnings.warn(
+        warn(
             f"latent {kv_lora_rank} + rope {rope_dim} = {kv_lora_rank + rope_dim} cached elements per token per "
-            f"layer: not smaller than the source's {full}; the cache does not shrink",
-            stacklevel=2,
+            f"layer: not smaller than the source's {full}; the cache does not shrink"
         )
 
 

@@ -8,10 +8,10 @@ latent (R = --kv-lora-rank) and the kept rope pairs of every key head (P = --rop
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 from ..families import AttentionGeometry
+from ..messages import warn as warn_user
 
 PUBLISHED_PAIRS_PER_HEAD_DIM = 16  # the paper keeps P = d/16 pairs (4 for d = 64, 8 for d = 128)
 
@@ -94,9 +94,8 @@ def resolve_shape(
             f"--kv-lora-rank must be in 1..{shape.full_latent} (2*g*d - g*2P = 2*{g}*{d} - {g}*{2 * P}), got {R!r}"
         )
     if warn and shape.kv_elements >= source:
-        warnings.warn(
+        warn_user(
             f"mha2mla with R={R} and {P} rope pairs per head caches {shape.kv_elements} elements per token "
-            f"per layer, not less than the source's {source}: the cache does not shrink",
-            stacklevel=2,
+            f"per layer, not less than the source's {source}: the cache does not shrink"
         )
     return shape

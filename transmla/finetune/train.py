@@ -59,6 +59,8 @@ TRAINABLE_PATTERNS: dict[str, str] = {
     "mla": r"\.self_attn\.(q_proj|q_a_proj|q_a_norm|q_b_proj|kv_a_proj|kv_a_norm|kv_b_proj)\.",
 }
 CHECKPOINT_PREFIX = "step-"
+# Everything a run writes into output_dir (see the module docstring).
+OUTPUT_NAMES = ("recipe.yaml", "converted", "checkpoints", "model", "train_log.csv", "eval_log.csv", "metrics.json", "curves.png")
 
 
 @dataclass
@@ -325,8 +327,30 @@ def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState, model, op
 # --- outputs -------------------------------------------------------------------------------------
 
 
+def check_output_dir(out: Path, force: bool) -> None:
+    """output_dir must be new, empty, or an earlier run's (which resumes); other contents need
+    ``force``. Nothing we write there may be a symlink (it would be written through)."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output_dir {out} exists and is not a directory")
+    if not out.is_dir():
+        return
+    linked = [n for n in OUTPUT_NAMES if (out / n).is_symlink()]
+    if linked:
+        raise ValueError(f"{out / linked[0]} is a symlink: refusing to write through it")
+    foreign = sorted(
+        p.name for p in out.iterdir()
+        if p.name not in OUTPUT_NAMES and not (p.name.startswith(".") and p.name[1:].split(".tmp-")[0] in OUTPUT_NAMES)
+    )
+    if foreign and not force:
+        raise FileExistsError(
+            f"output_dir {out} is not empty and not an earlier fine-tuning run (it holds {foreign[0]}); "
+            "pass --force to write into it"
+        )
+
+
 def _write_logs(recipe: Recipe, state: TrainerState, summary: dict | None = None) -> None:
     out = recipe.output_dir
+    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.dump(), sort_keys=False))
     for name, rows in (("train_log.csv", state.train_log), ("eval_log.csv", state.eval_log)):
         if not rows:
             continue
@@ -378,6 +402,7 @@ def plot_curves(train_log: list[dict], eval_log: list[dict], path: Path, title: 
 
 def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: TrainerState) -> Path:
     from ..checkpoint.files import copy_tokenizer_files
+    from ..checkpoint.writer import atomic_output_dir, usual_file_mode
 
     out = recipe.output_dir / "model"
     accelerator.wait_for_everyone()
@@ -396,12 +421,14 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
         }}
         net.config.mla = mla
         net.config.use_cache = True
-        shutil.rmtree(out, ignore_errors=True)
-        net.save_pretrained(out, safe_serialization=True)
-        if not copy_tokenizer_files(model_dir, out):
-            from transformers import AutoTokenizer
+        with atomic_output_dir(out, force=True) as tmp:  # never through a symlink; nothing half-written
+            net.save_pretrained(tmp, safe_serialization=True)
+            for written in tmp.glob("*.safetensors"):
+                usual_file_mode(written)
+            if not copy_tokenizer_files(model_dir, tmp):
+                from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+                AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
     accelerator.wait_for_everyone()
     return out
 
@@ -409,14 +436,21 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
 # --- the loop ------------------------------------------------------------------------------------
 
 
-def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: bool = True) -> FinetuneResult:
+def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: bool = True, force: bool = False) -> FinetuneResult:
     """Train as the recipe says; ``stop_after`` ends this run after that many optimizer steps in
-    total (a checkpoint is written there), as an interruption would."""
+    total (a checkpoint is written there), as an interruption would. ``force`` allows an
+    output_dir that holds other files (see check_output_dir)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     threads = torch.get_num_threads()
+    check_output_dir(recipe.output_dir, force)
+    created = not recipe.output_dir.exists()
     try:
         return _run(recipe, stop_after, progress)
+    except BaseException:
+        if created and recipe.output_dir.is_dir() and not any(recipe.output_dir.iterdir()):
+            recipe.output_dir.rmdir()  # a run that failed before writing anything leaves nothing
+        raise
     finally:
         torch.set_num_threads(threads)
         if PartialState().num_processes == 1:  # let a later run in this process pick other settings
@@ -442,7 +476,6 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
     out = recipe.output_dir
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.dump(), sort_keys=False))
 
     model_dir, converted = _converted_dir(recipe, accelerator, progress)
     model, tokenizer = _load_model(model_dir, recipe)
