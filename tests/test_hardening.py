@@ -402,3 +402,89 @@ def test_no_shrink_warning_is_shown(mla, tmp_path, cli, method, shape):
                        "--calib", tmp_path / "t.txt", "--calib-samples", "8", "--calib-seq-len", "16")
     assert code == 0, err
     assert "warning:" in err and "the cache does not shrink" in err, err
+
+
+# --- 7. the smaller items -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_generate_empty_prompt_is_one_line_error(mla, cli, prompt):
+    code, out, err = cli("generate", mla / "mla", prompt, "--max-new-tokens", "2")
+    assert code == 1 and out == "" and err.startswith("error: the prompt") and len(err.strip().splitlines()) == 1, err
+
+
+def test_seq_len_beyond_max_positions_warns(mla, tmp_path, cli):
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i % 50}" for i in range(1200)))
+    code, _, err = cli("eval", mla / "mla", "--data", tmp_path / "t.txt", "--seq-len", "300", "--json")  # the tiny models have 256
+    assert code == 0, err
+    assert "warning: --seq-len 300 is longer than" in err and "256 positions" in err, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--seq-len", "1"], "--seq-len must be at least 2"),
+    (["--max-windows", "0"], "--max-windows must be at least 1"),
+    (["--stride", "0"], "--stride must be between 1"),
+])
+def test_eval_window_settings_fail_before_loading(tmp_path, cli, args, needle):
+    code, _, err = cli("eval", tmp_path / "no-such-model", *args)  # the model is never reached
+    assert code == 1 and needle in err, err
+
+
+def test_cuda_without_gpu_fails_before_any_work(mla, tmp_path, cli, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for method in ("lossless", "transmla"):
+        code, _, err = cli("convert", mla / "src", tmp_path / "out", "--method", method, "--device", "cuda")
+        assert code == 1 and "no CUDA GPU" in err, err
+        assert not (tmp_path / "out").exists()
+
+
+def test_failed_finetune_leaves_nothing(mla, tmp_path):
+    from transmla.finetune.recipe import parse_recipe
+    from transmla.finetune.train import run_finetune
+
+    out = tmp_path / "run"
+    recipe = _recipe(mla, out)
+    recipe["data"] = {**recipe["data"], "train": str(tmp_path / "missing.txt")}
+    with pytest.raises(Exception, match="missing.txt"):
+        run_finetune(parse_recipe(recipe), progress=False)
+    assert not out.exists()
+
+
+def test_finetuned_model_files_get_the_usual_mode(mla, tmp_path):
+    import os
+    import stat
+
+    from transmla.finetune.recipe import parse_recipe
+    from transmla.finetune.train import run_finetune
+
+    old = os.umask(0o022)
+    try:
+        run_finetune(parse_recipe(_recipe(mla, tmp_path / "run", train={**_recipe(mla, tmp_path)["train"], "steps": 1})), progress=False)
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "run" / "model" / "model.safetensors").stat().st_mode)
+    assert mode == 0o644, oct(mode)
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(mla, tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("TRANSMLA_PROGRESS_SECONDS", "0")
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i % 50}" for i in range(3000)))
+    code, _, err = cli("convert", mla / "src", tmp_path / "out", "--method", "transmla", "--kv-budget", "0.5",
+                       "--calib", tmp_path / "t.txt", "--calib-samples", "8", "--calib-seq-len", "16")
+    assert code == 0, err
+    lines = err.splitlines()
+    for expected in ("calibrating layers 0/2 (", "calibrating layers 1/2 (", "calibrating layers 2/2 ("):
+        assert any(line.startswith(expected) for line in lines), err
+    assert any(line.startswith("calibrating layers 2/2") and line.endswith("elapsed, done)") for line in lines), err
+    assert "━" not in err  # no bar drawn into a file
+
+
+def test_progress_lines_are_periodic(capsys, monkeypatch):
+    from transmla.progress import progress_bar
+
+    monkeypatch.setenv("TRANSMLA_PROGRESS_SECONDS", "3600")
+    assert list(progress_bar(range(50), "items")) == list(range(50))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["items 0/50", "items 50/50"]  # start and end, nothing between

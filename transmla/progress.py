@@ -1,8 +1,15 @@
-"""Rich progress bars on stderr (results go to stdout)."""
+"""Progress on stderr (results go to stdout): the one place every long loop reports from.
+
+On a terminal: a Rich bar with an ETA. Otherwise (stderr piped to a file or a log collector) plain
+lines: one when the loop starts, then at most one every ``TRANSMLA_PROGRESS_SECONDS`` seconds
+(default 10), and one when it ends, so a long run shows it is alive without flooding a log.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from rich.console import Console
@@ -10,14 +17,61 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 T = TypeVar("T")
 stderr_console = Console(stderr=True)
+DEFAULT_PLAIN_INTERVAL = 10.0
 
 
-def progress_bar(items: Iterable[T], description: str, enabled: bool = True, total: int | None = None) -> Iterator[T]:
-    """Iterate with a progress bar (ETA) on stderr; a plain iterator when disabled."""
+def _plain_interval() -> float:
+    try:
+        return max(0.0, float(os.environ.get("TRANSMLA_PROGRESS_SECONDS", DEFAULT_PLAIN_INTERVAL)))
+    except ValueError:
+        return DEFAULT_PLAIN_INTERVAL
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _plain_lines(items: Iterable[T], description: str, total: int | None, size: Callable[[T], int]) -> Iterator[T]:
+    interval = _plain_interval()
+    start = last = time.monotonic()
+    done = 0
+
+    def line(final: bool = False) -> None:
+        elapsed = time.monotonic() - start
+        of = f"/{total}" if total is not None else ""
+        if final:
+            eta = "done"
+        elif total and done:
+            eta = f"eta {_clock(elapsed / done * (total - done))}"
+        else:
+            eta = "eta ?"
+        stderr_console.print(f"{description} {done}{of} ({_clock(elapsed)} elapsed, {eta})", highlight=False, soft_wrap=True)
+
+    line()
+    for item in items:
+        yield item
+        done += size(item)
+        now = time.monotonic()
+        if now - last >= interval and (total is None or done < total):
+            line()
+            last = now
+    line(final=True)
+
+
+def progress_bar(
+    items: Iterable[T], description: str, enabled: bool = True, total: int | None = None,
+    size: Callable[[T], int] = lambda item: 1,
+) -> Iterator[T]:
+    """Iterate with progress on stderr (a bar with ETA on a terminal, periodic lines otherwise);
+    a plain iterator when disabled. ``size(item)`` is how far one item advances (default 1)."""
     if not enabled:
         yield from items
         return
     total = total if total is not None else (len(items) if hasattr(items, "__len__") else None)
+    if not stderr_console.is_terminal:
+        yield from _plain_lines(items, description, total, size)
+        return
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -31,4 +85,4 @@ def progress_bar(items: Iterable[T], description: str, enabled: bool = True, tot
         task = bar.add_task(description, total=total)
         for item in items:
             yield item
-            bar.advance(task)
+            bar.advance(task, size(item))

@@ -28,6 +28,10 @@ def generate(
     as_json: JsonFlag = False,
 ) -> None:
     """Generate a continuation; MLA models decode through the latent cache (absorbed by default)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not prompt.strip() and not chat:
+        raise ValueError("the prompt is empty: give some text to continue (or --chat to answer it)")
     net, tokenizer = load_model(model, dtype=pick_dtype(dtype), device=pick_device(device))
     if getattr(net.config, "mla", None) is not None:
         set_decode_mode(net, decode)
@@ -36,6 +40,8 @@ def generate(
     else:
         text = prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(net.device)
+    if inputs["input_ids"].shape[1] == 0:
+        raise ValueError(f"the prompt {prompt!r} gives no tokens: give some text to continue")
     with torch.inference_mode():
         out = net.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=sample, temperature=0.7 if sample else None,

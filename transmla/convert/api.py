@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..checkpoint.resolve import load_config, resolve_model_dir
 from ..checkpoint.writer import parse_size, scratch_dir
-from ..dtypes import torch_dtype
+from ..dtypes import pick_device, torch_dtype
 from ..families import attention_geometry, family_for
 from ..mla.model import is_mla_config
 from .methods import get_method
@@ -72,6 +72,7 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
         torch_dtype(options.dtype)  # fail before any work on a bad name
     parse_size(options.max_shard_size)  # fail early on a bad size
     check_meaningful(options)
+    pick_device(options.device)  # cuda without a GPU fails here, before any work (every method)
     method = get_method(options.method)
     output = Path(output)
     if output.exists() and not output.is_dir():

@@ -21,18 +21,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-
 from transmla.checkpoint.finite import require_finite_number
 from transmla.data.calib import tokenize_text
+from transmla.progress import progress_bar
 
 __all__ = ["PerplexityResult", "perplexity", "tokenize_text", "plan_windows"]
 
@@ -132,19 +123,10 @@ def perplexity(
     model.eval()
     total_nll = 0.0  # python float == float64
     scored = 0
-    columns = (
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-    )
-    bar = Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False)
     try:
-        with bar, torch.inference_mode():
-            task = bar.add_task("perplexity", total=len(windows))
-            for batch in _batches(windows, max(1, batch_size)):
+        with torch.inference_mode():
+            batches = _batches(windows, max(1, batch_size))
+            for batch in progress_bar(batches, "perplexity", enabled=progress, total=len(windows), size=len):
                 x = torch.stack([ids[w.begin : w.end] for w in batch]).to(device)  # [B, T]
                 logits = model(input_ids=x, use_cache=False).logits  # [B, T, V]
                 logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
@@ -154,7 +136,6 @@ def perplexity(
                 mask = pos[None, :] >= first[:, None]  # [B, T-1]
                 total_nll += tok_nll[mask].double().sum().item()
                 scored += int(mask.sum().item())
-                bar.advance(task, len(batch))
     finally:
         model.train(was_training)
     nll = require_finite_number(total_nll / scored, "the mean negative log-likelihood")

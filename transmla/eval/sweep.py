@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..dtypes import torch_dtype
+from ..messages import warn
 from ..progress import progress_bar, stderr_console
 from . import report as rep
 
@@ -44,6 +45,18 @@ class EvalSettings:
     measure_tokens: int = 0  # generate this many tokens and measure the cache (0: skip)
     prompt_tokens: int = 32  # prompt for the measured cache: the first tokens of the text
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        """Window settings checked before any model loads (one-line errors naming the option)."""
+        if self.seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise ValueError(f"--max-windows must be at least 1, got {self.max_windows}")
+        if self.stride is not None and not 1 <= self.stride <= self.seq_len:
+            raise ValueError(f"--stride must be between 1 and --seq-len ({self.seq_len}), got {self.stride}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        torch_dtype(self.dtype)
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
@@ -75,6 +88,10 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
     dtype = settings.torch_dtype()
     net, tokenizer = load_model(str(spec), dtype=dtype, device=settings.device)
     try:
+        limit = getattr(net.config, "max_position_embeddings", None)
+        if limit is not None and settings.seq_len > limit:
+            warn(f"--seq-len {settings.seq_len} is longer than {spec}'s {limit} positions (max_position_embeddings): "
+                 "perplexity past them measures extrapolation, not the model")
         own = tokenize_text(tokenizer, load_text(settings.data, part="eval", text_field=settings.text_field))  # [N]
         if ids is not None and not torch.equal(own, ids):
             raise ValueError(f"{spec} tokenizes the text differently from the model it is compared with")
