@@ -150,3 +150,81 @@ def test_unknown_pre_tokenizer_is_refused_unless_named(tmp_path):
     with pytest.raises(ExportError, match="--tokenizer-pre"):
         export(tmp_path / "ds", tmp_path / "ds.gguf")
     assert not (tmp_path / "ds.gguf").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Our converted models: native MLA folder -> DeepSeek tensors -> GGUF, run in llama.cpp
+# ---------------------------------------------------------------------------------------------
+
+NATIVE_CASES = {  # name -> (family, source overrides, conversion options)
+    "llama-transmla-50": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True)),
+    "llama-transmla-25": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True)),
+    "mistral-transmla-25-qlora": ("mistral", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True, q_lora_rank=16)),
+    "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform")),
+    "llama-tied-transmla-25": ("llama", {"tie_word_embeddings": True}, dict(method="transmla", kv_budget=0.25, shared_rope=True)),
+}
+
+
+def converted(tmp_path, family, source_overrides, options, seed=0):
+    """A tiny source (byte-level BPE vocabulary) converted by the production code, on disk."""
+    from conftest import make_tiny_model
+    from test_export_deepseek import _convert
+
+    src = tmp_path / "src"
+    make_tiny_model(family, src, seed=seed, vocab_size=300, **source_overrides)
+    native = _convert(src, tmp_path / "mla", **options)
+    save_byte_level_tokenizer(native)
+    return native
+
+
+@pytest.mark.parametrize("case", list(NATIVE_CASES))
+def test_llama_cpp_runs_our_conversions_exactly(tmp_path, case):
+    from transmla.export.gguf import export_gguf
+
+    family, source_overrides, options = NATIVE_CASES[case]
+    native = converted(tmp_path, family, source_overrides, options)
+    result = export_gguf(native, tmp_path / "mla.gguf", progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([TOKENS])).logits[0]  # [T, V]
+    for mode in ("prefill", "decode"):
+        logits, log = llama_logits(result.path, TOKENS, mode, n_ctx=4096)
+        assert relative_error(logits, ref) <= 1e-4, mode
+    kv = kv_cache_report(log)
+    assert kv.v_mib == 0
+    assert kv.mib == pytest.approx(4096 * kv.layers * result.cache_elements * 4 / 2**20, abs=0.005)
+    assert result.cache_elements == model.config.mla["kv_lora_rank"] + model.config.mla["qk_rope_head_dim"]
+
+
+def test_all_rope_keys_are_refused(tmp_path):
+    from transmla.export.gguf import export_gguf
+
+    native = converted(tmp_path, "llama", {"num_key_value_heads": 1}, dict(method="lossless"))
+    with pytest.raises(ExportError, match="qk_nope_head_dim 0"):
+        export_gguf(native, tmp_path / "mla.gguf", progress=False)
+    assert list(tmp_path.glob("mla.gguf*")) == []
+
+
+def test_biases_are_refused_unless_dropped(tmp_path):
+    from transmla.export.gguf import export_gguf
+
+    native = converted(tmp_path, "qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True))
+    with pytest.raises(ExportError, match="biases"):
+        export_gguf(native, tmp_path / "mla.gguf", progress=False)
+    assert list(tmp_path.glob("mla.gguf*")) == []
+    result = export_gguf(native, tmp_path / "mla.gguf", drop_biases=True, progress=False)
+    logits, _ = llama_logits(result.path, TOKENS, "decode")
+    assert np.isfinite(logits).all()
+
+
+def test_cli_export_gguf(cli, tmp_path):
+    native = converted(tmp_path, "llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True))
+    out_path = tmp_path / "m.gguf"
+    code, out, _ = cli("export", native, out_path, "--format", "gguf", "--type", "q8_0", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["type"] == "q8_0" and info["tokenizer_pre"] == "gpt-2" and info["output"] == str(out_path)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out_path).tensors}
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q8_0  # rows of 64 (48 falls back to bf16)
+    code, out, err = cli("export", native, out_path, "--format", "gguf")
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "exists" in err

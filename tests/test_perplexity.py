@@ -35,14 +35,15 @@ def ids() -> torch.Tensor:
     return torch.randint(0, 64, (5 * SEQ + 7,), generator=g)  # [87]: 5 full windows + tail
 
 
-def _by_hand(model, ids: torch.Tensor, seq_len: int, n_windows: int) -> tuple[float, int]:
-    """exp(mean NLL) over non-overlapping windows, one window and one token at a time."""
+def _by_hand(model, ids: torch.Tensor, seq_len: int, n_windows: int, first: int = 1) -> tuple[float, int]:
+    """exp(mean NLL) over non-overlapping windows (positions first.. of each scored), one window
+    and one token at a time."""
     total, count = 0.0, 0
     with torch.no_grad():
         for w in range(n_windows):
             x = ids[w * seq_len : (w + 1) * seq_len]  # [L]
             logits = model(input_ids=x[None], use_cache=False).logits[0]  # [L, V]
-            for t in range(1, seq_len):
+            for t in range(first, seq_len):
                 logp = F.log_softmax(logits[t - 1].float(), dim=-1)  # [V]
                 total -= float(logp[x[t]])
                 count += 1
@@ -70,6 +71,16 @@ def test_all_full_windows_and_batch_independent(model, ids):
     assert a.perplexity == pytest.approx(b.perplexity, rel=1e-5)
     ref, _ = _by_hand(model, ids, SEQ, 5)
     assert a.perplexity == pytest.approx(ref, rel=1e-5)
+
+
+def test_second_half_of_each_window_as_llama_cpp_scores(model, ids):
+    first = SEQ // 2 + 1
+    r = perplexity(model, ids, seq_len=SEQ, max_windows=3, progress=False, first_scored=first)
+    ref, count = _by_hand(model, ids, SEQ, 3, first)
+    assert r.tokens == count == 3 * (SEQ - first)
+    assert r.perplexity == pytest.approx(ref, rel=1e-5)
+    with pytest.raises(ValueError, match="first_scored"):
+        perplexity(model, ids, seq_len=SEQ, stride=4, first_scored=first, progress=False)
 
 
 def test_stride_equal_seq_len_is_non_overlapping(model, ids):

@@ -10,6 +10,9 @@ Two protocols, one code path (a list of windows, each with the first position it
   scores only the tokens not scored before (the guide's ``-100`` mask). With
   ``stride == L`` the windows, and so the result, are exactly the non-overlapping ones.
 
+``first_scored`` (non-overlapping only) scores each window from that position on: llama.cpp's
+llama-perplexity scores the second half of each window, ``first_scored = L // 2 + 1``.
+
 perplexity = exp(total NLL / scored tokens); log-softmax in float32, sums in float64.
 """
 
@@ -52,7 +55,8 @@ class _Window:
 
 
 def plan_windows(
-    n_tokens: int, seq_len: int, max_windows: int | None = None, stride: int | None = None
+    n_tokens: int, seq_len: int, max_windows: int | None = None, stride: int | None = None,
+    first_scored: int = 1,
 ) -> list[_Window]:
     """The windows a run evaluates (see the module docstring for both protocols)."""
     if seq_len < 2:
@@ -66,8 +70,10 @@ def plan_windows(
         if max_windows < 1:
             raise ValueError(f"max_windows must be positive, got {max_windows}")
         n_full = min(n_full, max_windows)
+    if not 1 <= first_scored < seq_len or (first_scored != 1 and stride is not None):
+        raise ValueError(f"first_scored must be in [1, seq_len) and only without a stride, got {first_scored}")
     if stride is None:
-        return [_Window(i * seq_len, (i + 1) * seq_len, 1) for i in range(n_full)]
+        return [_Window(i * seq_len, (i + 1) * seq_len, first_scored) for i in range(n_full)]
     if not 1 <= stride <= seq_len:
         raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
     span = n_full * seq_len  # the same tokens the non-overlapping protocol covers
@@ -114,10 +120,11 @@ def perplexity(
     stride: int | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    first_scored: int = 1,
 ) -> PerplexityResult:
     """Perplexity of ``model`` (any HF causal LM) on the 1-D token stream ``ids``."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # [N]
-    windows = plan_windows(ids.numel(), seq_len, max_windows, stride)
+    windows = plan_windows(ids.numel(), seq_len, max_windows, stride, first_scored)
     device = _model_device(model)
     was_training = model.training
     model.eval()

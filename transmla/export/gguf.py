@@ -16,7 +16,8 @@ and convert_hf_to_gguf.py (DeepseekV2Model) in the llama-cpp-python 0.3.36 sdist
   No per-dimension frequency factors are read for deepseek2, so llama3/longrope scaling cannot
   be represented; yarn is not written here yet (refused).
 - Softmax scale: 1/sqrt(d_nope + d_r), as in DeepSeek (the DeepSeek export folds ours into q).
-- No attention or MLP biases exist in the graph: refused.
+- No attention or MLP biases exist in the graph: refused. Neither is qk_nope_head_dim 0 (every
+  key dim rotated, e.g. the lossless conversion): llama.cpp asserts at least one.
 
 Weight types: f32, bf16 or q8_0 for matrices (norms are always f32). The latent rows of
 attn_kv_a_mqa are scaled by a tiny power of two (the latent-norm no-op of the DeepSeek export);
@@ -108,6 +109,8 @@ def deepseek_shape(config: dict) -> DeepseekShape:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ExportError(f"GGUF export: {rope_type!r} RoPE scaling cannot be written for llama.cpp's deepseek2")
+    if int(config["qk_nope_head_dim"]) < 1:
+        raise ExportError("GGUF export: llama.cpp's deepseek2 needs at least one non-rope key dim per head (qk_nope_head_dim 0)")
     heads = int(config["num_attention_heads"])
     if int(config.get("num_key_value_heads", heads)) != heads:
         raise ExportError("GGUF export expects num_key_value_heads == num_attention_heads (DeepSeek's MLA)")
@@ -262,3 +265,32 @@ def write_gguf(
     finally:
         partial.unlink(missing_ok=True)
     return GGUFExportResult(output, weight_type, pre, count, output.stat().st_size, shape.cache_elements)
+
+
+def export_gguf(
+    model_dir: str | Path,
+    output: str | Path,
+    weight_type: str = "f32",
+    tokenizer_pre: str | None = None,
+    drop_biases: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> GGUFExportResult:
+    """A native converted model -> DeepSeek-V3 tensors (export/deepseek.py, one layer at a time) ->
+    a deepseek2 GGUF at `output`. The tokenizer is the model folder's."""
+    from transformers import DeepseekV3Config
+
+    from ..checkpoint.reader import SafetensorsReader
+    from .deepseek import ExportOptions, deepseek_tensors, prepare_export
+
+    model_dir, output = Path(model_dir), Path(output)
+    if output.exists() and not force:
+        raise ExportError(f"{output} exists (pass --force to replace it)")
+    native, plan = prepare_export(model_dir, ExportOptions(engines=(), drop_biases=drop_biases))
+    config = DeepseekV3Config(**plan.config).to_dict()
+    # The DeepSeek folder writes a tied lm_head out (not every engine ties); llama.cpp ties by
+    # leaving `output` out, as the source's own GGUF does.
+    config["tie_word_embeddings"] = bool(native.get("tie_word_embeddings", False))
+    with SafetensorsReader(model_dir) as reader:
+        tensors = deepseek_tensors(reader, plan, progress)
+        return write_gguf(config, tensors, model_dir, output, weight_type, tokenizer_pre, name=model_dir.name)

