@@ -2,18 +2,19 @@
 against `transmla eval`, and decode speed + KV cache against the GQA source.
 
     .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase export   # convert (--shared-rope) + GGUFs
-    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase ppl      # llama-perplexity vs ours
+    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase ppl      # llama-perplexity vs ours (8 windows)
     .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase speed --types q8_0 --depths 0,4096,16384
     .venv/bin/python eval/gguf_llama_cpp.py --phase report              # table from the JSON
 
 Needs `make llama-cpp`. Phases resume: results merge into eval/results/gguf_llama_cpp.json.
 The source GGUFs are llama.cpp's own: `llama-quantize` of the built-in Q4_1 GGUF to F32 (exactly
 the weights `transmla inspect` dequantizes) and from that to Q8_0. Converted models: `transmla
-convert smollm2-135m --method transmla --kv-budget B --shared-rope`, then `transmla export
---format gguf --type T`.
+convert smollm2-135m --method transmla --kv-budget B --shared-rope --calib-samples 256` (256 x 16 calibration tokens: the comparisons here are one model
+in two engines, and the default 2048 x 16 takes ~40 min per model on the shared machine), then
+`transmla export --format gguf --type T`.
 
 Perplexity: the wiki evaluation text (the same file for both engines; the token streams are
-checked equal), 32 windows of 512 tokens, two protocols: llama-perplexity's own (scores the second
+checked equal), the first 8 windows of 512 tokens, two protocols: llama-perplexity's own (scores the second
 half of each window) against our model on exactly those windows and tokens, and `transmla eval`'s
 (every token but the first of each window) for reference.
 
@@ -41,7 +42,7 @@ RESULTS = ROOT / "eval" / "results"
 OUT_JSON = RESULTS / "gguf_llama_cpp.json"
 OUT_MD = RESULTS / "gguf_llama_cpp.md"
 BUDGETS = (0.5, 0.25, 0.125)
-SEQ, WINDOWS = 512, 32
+SEQ, WINDOWS = 512, 8  # 8 x 512: the shared machine (load ~11) makes 32 windows x 3 models too slow
 SOURCE_CACHE = 2 * 3 * 64  # SmolLM2-135M: K and V of 3 KV heads x 64
 LAYERS = 30
 
@@ -93,7 +94,8 @@ def phase_export(work: Path, types: list[str]) -> None:
         native = work / f"transmla-{budget}"
         if not (native / "config.json").exists():
             log(f"converting at {budget}")
-            transmla("convert", "smollm2-135m", str(native), "--method", "transmla", "--kv-budget", str(budget), "--shared-rope", "--force")
+            transmla("convert", "smollm2-135m", str(native), "--method", "transmla", "--kv-budget", str(budget),
+                     "--shared-rope", "--calib-samples", "256", "--force")
         for t in types:
             out = gguf_path(work, f"transmla-{budget}", t)
             if not out.exists():
@@ -119,6 +121,9 @@ def phase_ppl(work: Path) -> None:
     for budget in BUDGETS:
         name = f"transmla-{budget}"
         gguf = gguf_path(work, name, "f32")
+        if not gguf.exists():
+            log(f"{gguf.name} not exported: skipped")
+            continue
         same_tokens = llama_tokenize(gguf, text) == ids.tolist()
         log(f"llama-perplexity {name}")
         llama_ppl, _ = llama_perplexity(gguf, text_file, SEQ, WINDOWS, threads=1)
@@ -251,7 +256,7 @@ def main(argv=None) -> int:
     elif args.phase == "ppl":
         phase_ppl(args.work)
     elif args.phase == "speed":
-        phase_speed(args.work, types, [float(b) for b in args.budgets.split(",")],
+        phase_speed(args.work, types, [float(b) for b in args.budgets.split(",") if b],
                     [int(d) for d in args.depths.split(",")], args.n_gen, args.reps, args.threads)
     phase_report()
     return 0
