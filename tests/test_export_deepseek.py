@@ -263,3 +263,16 @@ def test_cli_export_error_is_one_line(cli, native, tmp_path):
     folder = native(method="lossless")
     code, out, err = cli("export", folder, tmp_path / "ds")
     assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "not one grid" in err
+
+
+def test_bf16_export_is_within_bf16_noise(native, tmp_path):
+    """bf16 keeps the scaled latent rows (fp16 would not): the export stays as close to the native
+    model as the native model's own bf16 copy is."""
+    folder = native("qwen2", {"bias": True}, method="transmla", kv_budget=0.5, shared_rope=True)
+    export_deepseek(folder, tmp_path / "ds", ExportOptions(dtype="bf16"), progress=False)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(IDS).logits
+        own = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()(IDS).logits.float()
+        ds = AutoModelForCausalLM.from_pretrained(tmp_path / "ds", dtype=torch.bfloat16).eval()(IDS).logits.float()
+    assert torch.isfinite(ds).all()
+    assert _rel(ref, ds) <= 3 * max(_rel(ref, own), 1e-3)
