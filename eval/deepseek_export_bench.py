@@ -8,11 +8,12 @@ keeps one RoRoPE/FreqFold component per fold group (F = d/r) at the group's firs
 Which component (open decision, chosen on the dev32 windows of transmla_bench.py, never on test
 windows): the one with the largest expected score change (ours, "grid-score") or the one with the
 largest key energy (the published TransMLA selection with F = d/r, "grid-energy", the dev
-baseline). Both beside today's defaults (score selection anywhere: not exportable).
+baseline). Both beside today's defaults (score selection anywhere: not exportable; their numbers
+are transmla_bench.json's, same windows and calibration).
 Then, at 50 / 25 / 12.5% of the cache (128+64, 64+32, 32+16), with the CLI's default calibration:
-- the native model of the chosen variant and of today's defaults, evaluated in a process that
-  imports transmla; the export of the chosen variant (`transmla export`), evaluated in a process
-  that never imports it (stock DeepseekV3ForCausalLM); the source, stock too;
+- the native model of the chosen variant, evaluated in a process that imports transmla; its
+  export (`transmla export`), evaluated in a process that never imports it (stock
+  DeepseekV3ForCausalLM); the source, stock too (it must equal transmla_bench's recorded source);
 - wiki-test 32 windows (ANCHORS.md) and lee-test (all 29 of its windows), 512 tokens each.
 Writes eval/results/deepseek_export.{json,md}.
 """
@@ -40,23 +41,31 @@ RESULTS = ROOT / "results"
 WORK = CACHE / "deepseek-export"
 STOCK_PPL = ROOT / "engines_stock_ppl.py"
 HEAD_DIM = 64
-# Plan overrides of each variant (on top of the CLI defaults' plan; F = d/r for the grid ones).
+# Plan overrides of each exportable variant (on top of the CLI defaults' plan, F = d/r).
 VARIANTS = {
-    "defaults (not exportable)": lambda r: {},
     "grid-score": lambda r: {"selection": "grid", "freqfold": HEAD_DIM // r},
     "grid-energy": lambda r: {"selection": "uniform", "freqfold": HEAD_DIM // r},
 }
+# Today's defaults (score selection anywhere: not exportable), measured by transmla_bench.py on the
+# same windows with the same calibration: its dev32 and final rows are read, not re-run.
+RECORDED = RESULTS / "transmla_bench.json"
+DEFAULTS_DEV32 = "dev32/{budget}/activation-2048x16s0-original"
+DEFAULTS_FINAL = "final/{budget}/ours"
+
+
+def recorded() -> dict:
+    return json.loads(RECORDED.read_text())["results"]
 
 
 def dev32(b: Bench) -> str:
-    """Every variant on dev32; returns the exportable one with the lower summed log perplexity."""
+    """Both exportable variants on dev32; returns the one with the lower summed log perplexity."""
     calib, propagate = cli_defaults()
     b.cached("dev32/source", lambda: b.dev32_ppl(b.source_model()))
     for budget, (R, r, _) in BUDGETS.items():
         for name, overrides in VARIANTS.items():
             b.cached(f"export-dev32/{budget}/{name}", lambda: b.dev32_ppl(
                 b.model(ours_layers(b, budget, calib, propagate, **overrides(r))[0])))
-    score = {n: sum(math.log(b.results[f"export-dev32/{k}/{n}"]["ppl"]) for k in BUDGETS) for n in ("grid-score", "grid-energy")}
+    score = {n: sum(math.log(b.results[f"export-dev32/{k}/{n}"]["ppl"]) for k in BUDGETS) for n in VARIANTS}
     return min(score, key=score.get)
 
 
@@ -84,19 +93,20 @@ def final(b: Bench, chosen: str) -> None:
     windows = WORK / "windows.safetensors"
     save_file({"wiki_test_32": b.wiki[: 32 * SEQ].view(32, SEQ).contiguous(),
                "lee_test": b.lee[: (b.lee.numel() // SEQ) * SEQ].view(-1, SEQ).contiguous()}, str(windows))
+    # The source through the stock-process scoring code: equal to transmla_bench's recorded source
+    # perplexity, so the recorded defaults and the numbers here share one protocol.
     b.cached("export-final/source", lambda: evaluate([b.src_dir], windows, False)[0])
     for budget, (R, r, _) in BUDGETS.items():
         def run() -> dict:
             start = time.perf_counter()
-            default = write_native(b, budget, "defaults", {})
             native = write_native(b, budget, chosen, VARIANTS[chosen](r))
             exported = WORK / f"{budget[:-1]}-{chosen}-deepseek"
             result = export_deepseek(native, exported, ExportOptions(force=True), progress=False)
-            nat_default, nat_shared = evaluate([default, native], windows, True)
+            nat_shared = evaluate([native], windows, True)[0]
             stock = evaluate([exported], windows, False)[0]
             assert stock["class"] == "DeepseekV3ForCausalLM" and not stock["transmla_imported"]
-            return {"defaults_native": nat_default, "shared_native": nat_shared, "shared_exported": stock,
-                    "export_record": result.record, "chosen": chosen, "seconds": round(time.perf_counter() - start, 1)}
+            return {"shared_native": nat_shared, "shared_exported": stock, "export_record": result.record,
+                    "chosen": chosen, "seconds": round(time.perf_counter() - start, 1)}
         b.cached(f"export-final/{budget}", run)
 
 
@@ -116,11 +126,13 @@ def report(b: Bench, chosen: str) -> None:
         "",
         "## Which component each fold group keeps (dev32: 16 wiki + 16 lee windows, pooled perplexity)",
         "",
-        "| cache (R + r) | " + " | ".join(VARIANTS) + " |",
-        "|---|" + "---|" * len(VARIANTS),
+        "| cache (R + r) | today's defaults (not exportable) | " + " | ".join(VARIANTS) + " |",
+        "|---|---|" + "---|" * len(VARIANTS),
     ]
+    rec = recorded()
     for budget, (R, rr, _) in BUDGETS.items():
-        cells = [f"{r[f'export-dev32/{budget}/{n}']['ppl']:.2f}" for n in VARIANTS]
+        cells = [f"{rec[DEFAULTS_DEV32.format(budget=budget)]['ppl']:.2f}"]
+        cells += [f"{r[f'export-dev32/{budget}/{n}']['ppl']:.2f}" for n in VARIANTS]
         lines.append(f"| {budget} ({R} + {rr}) | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -138,15 +150,21 @@ def report(b: Bench, chosen: str) -> None:
     for budget, (R, rr, _) in BUDGETS.items():
         e = r[f"export-final/{budget}"]
         for t in texts:
-            d, n, x = e["defaults_native"][t]["ppl"], e["shared_native"][t]["ppl"], e["shared_exported"][t]["ppl"]
+            d = rec[DEFAULTS_FINAL.format(budget=budget)][t]
+            n, x = e["shared_native"][t]["ppl"], e["shared_exported"][t]["ppl"]
             lines.append(
                 f"| {budget} ({R} + {rr}) | {t} | {src[t]['ppl']:.2f} | {d:.2f} | {n:.2f} | {x:.2f} | "
                 f"{100 * (x / n - 1):+.4f}% | {100 * (n / d - 1):+.1f}% |"
             )
-    rec = r[f"export-final/{next(iter(BUDGETS))}"]["export_record"]
+    record = r[f"export-final/{next(iter(BUDGETS))}"]["export_record"]
     lines += [
         "",
-        f"The export sets rms_norm_eps to 1e-6 for every norm (the source uses {rec['source_rms_norm_eps']}): "
+        f"Today's defaults: transmla_bench.json (`{DEFAULTS_DEV32}`, `{DEFAULTS_FINAL}`), same windows and "
+        f"calibration. The source scored here by the stock process: wiki {src['wiki_test_32']['ppl']:.4f}, lee "
+        f"{src['lee_test']['ppl']:.4f}; recorded by transmla_bench: {rec['final/source']['wiki_test_32']:.4f}, "
+        f"{rec['final/source']['lee_test']:.4f} (one protocol).",
+        "",
+        f"The export sets rms_norm_eps to 1e-6 for every norm (the source uses {record['source_rms_norm_eps']}): "
         "transformers fixes 1e-6 for the latent norm and the other engines read one eps for all norms; the "
         "'export vs native' column includes that change.",
     ]

@@ -44,6 +44,8 @@ def _convert(src: Path, out: Path, **options) -> Path:
     return out
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 # case -> (family, source overrides, conversion options, export options)
 CASES = {
     "llama-transmla-50": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
@@ -52,6 +54,7 @@ CASES = {
     "mistral-transmla-25": ("mistral", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
     "llama-bias-transmla-50": ("llama", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-transmla-qlora": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True, q_lora_rank=16), {}),
+    "llama-llama3-rope-transmla-25": ("llama", {"rope_parameters": LLAMA3_ROPE}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
     "llama-mqa-lossless": ("llama", {"num_key_value_heads": 1}, dict(method="lossless"), {}),
     "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform"), {}),
     "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines=("vllm", "sglang", "transformers"), pad_latent=True)),
