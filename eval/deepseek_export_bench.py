@@ -57,11 +57,13 @@ def recorded() -> dict:
     return json.loads(RECORDED.read_text())["results"]
 
 
-def dev32(b: Bench) -> str:
+def dev32(b: Bench, budgets=BUDGETS) -> str:
     """Both exportable variants on dev32; returns the one with the lower summed log perplexity."""
     calib, propagate = cli_defaults()
     b.cached("dev32/source", lambda: b.dev32_ppl(b.source_model()))
     for budget, (R, r, _) in BUDGETS.items():
+        if budget not in budgets:
+            continue
         for name, overrides in VARIANTS.items():
             b.cached(f"export-dev32/{budget}/{name}", lambda: b.dev32_ppl(
                 b.model(ours_layers(b, budget, calib, propagate, **overrides(r))[0])))
@@ -88,15 +90,19 @@ def evaluate(folders: list[Path], windows: Path, import_transmla: bool) -> list[
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def final(b: Bench, chosen: str) -> None:
+def final(b: Bench, chosen: str, budgets=BUDGETS, source: bool = True) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     windows = WORK / "windows.safetensors"
     save_file({"wiki_test_32": b.wiki[: 32 * SEQ].view(32, SEQ).contiguous(),
                "lee_test": b.lee[: (b.lee.numel() // SEQ) * SEQ].view(-1, SEQ).contiguous()}, str(windows))
     # The source through the stock-process scoring code: equal to transmla_bench's recorded source
     # perplexity, so the recorded defaults and the numbers here share one protocol.
-    b.cached("export-final/source", lambda: evaluate([b.src_dir], windows, False)[0])
+    if source:
+        b.cached("export-final/source", lambda: evaluate([b.src_dir], windows, False)[0])
     for budget, (R, r, _) in BUDGETS.items():
+        if budget not in budgets:
+            continue
+
         def run() -> dict:
             start = time.perf_counter()
             native = write_native(b, budget, chosen, VARIANTS[chosen](r))
@@ -117,7 +123,7 @@ def report(b: Bench, chosen: str) -> None:
            "results": {k: v for k, v in r.items() if k.startswith(("export-", "dev32/source"))}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "deepseek_export.json").write_text(json.dumps(out, indent=1, sort_keys=True))
-    src = r["export-final/source"]
+    src = r.get("export-final/source")
     lines = [
         "# DeepSeek-format export of SmolLM2-135M (training-free TransMLA, fp32)",
         "",
@@ -132,7 +138,8 @@ def report(b: Bench, chosen: str) -> None:
     rec = recorded()
     for budget, (R, rr, _) in BUDGETS.items():
         cells = [f"{rec[DEFAULTS_DEV32.format(budget=budget)]['ppl']:.2f}"]
-        cells += [f"{r[f'export-dev32/{budget}/{n}']['ppl']:.2f}" for n in VARIANTS]
+        cells += [f"{r[f'export-dev32/{budget}/{n}']['ppl']:.2f}" if f"export-dev32/{budget}/{n}" in r else "not measured"
+                  for n in VARIANTS]
         lines.append(f"| {budget} ({R} + {rr}) | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -148,7 +155,10 @@ def report(b: Bench, chosen: str) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for budget, (R, rr, _) in BUDGETS.items():
-        e = r[f"export-final/{budget}"]
+        e = r.get(f"export-final/{budget}")
+        if e is None or src is None:
+            lines.append(f"| {budget} ({R} + {rr}) | | not measured (the run was cut for time) | | | | | |")
+            continue
         for t in texts:
             d = rec[DEFAULTS_FINAL.format(budget=budget)][t]
             n, x = e["shared_native"][t]["ppl"], e["shared_exported"][t]["ppl"]
@@ -156,7 +166,9 @@ def report(b: Bench, chosen: str) -> None:
                 f"| {budget} ({R} + {rr}) | {t} | {src[t]['ppl']:.2f} | {d:.2f} | {n:.2f} | {x:.2f} | "
                 f"{100 * (x / n - 1):+.4f}% | {100 * (n / d - 1):+.1f}% |"
             )
-    record = r[f"export-final/{next(iter(BUDGETS))}"]["export_record"]
+    record = next((r[k]["export_record"] for k in r if k.startswith("export-final/") and "export_record" in r[k]),
+                  {"source_rms_norm_eps": "?"})
+    src = src or {t: {"ppl": float("nan")} for t in texts}
     lines += [
         "",
         f"Today's defaults: transmla_bench.json (`{DEFAULTS_DEV32}`, `{DEFAULTS_FINAL}`), same windows and "
@@ -174,6 +186,21 @@ def report(b: Bench, chosen: str) -> None:
 
 def main() -> None:
     b = Bench()
+    if "--report-only" in sys.argv:  # what is measured so far (the cache), without measuring more
+        done = [n for n in VARIANTS if all(f"export-dev32/{k}/{n}" in b.results for k in BUDGETS)]
+        report(b, min(done, key=lambda n: sum(math.log(b.results[f"export-dev32/{k}/{n}"]["ppl"]) for k in BUDGETS))
+               if len(done) == len(VARIANTS) else "not chosen yet")
+        return
+    if "--phase" in sys.argv:  # one step at a time: --phase dev32|final|source --budget 25% [--variant NAME]
+        phase, budget = sys.argv[sys.argv.index("--phase") + 1], sys.argv[sys.argv.index("--budget") + 1] if "--budget" in sys.argv else None
+        budgets = [budget] if budget else list(BUDGETS)
+        if phase == "dev32":
+            dev32(b, budgets)
+        elif phase == "final":
+            final(b, sys.argv[sys.argv.index("--variant") + 1], budgets, source=False)
+        elif phase == "source":
+            final(b, "", [], source=True)
+        return
     chosen = dev32(b)
     final(b, chosen)
     report(b, chosen)
