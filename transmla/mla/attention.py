@@ -17,6 +17,8 @@ from torch import nn
 
 from .config import MLAConfig
 from .kernels import mla_decode
+from .kernels.fused_rows import attend_rows
+from .latent_cache import cached_rows
 
 
 class MLARMSNorm(nn.Module):
@@ -116,23 +118,31 @@ class MLAAttention(nn.Module):
         q_rope = q_rope * cos[:, :, None] + rotate_half(q_rope) * sin[:, :, None]
         k_rope = k_rope * cos + rotate_half(k_rope) * sin
 
+        rows = None  # [B, S, d_c + d_r]: every cached token's [c | k_r]
         if past_key_values is not None:
-            # The cache stores the latent as "keys" and the rope key as "values": [B, 1, S, .].
-            cached_latent, cached_rope = past_key_values.update(latent[:, None], k_rope[:, None], self.layer_idx)
-            latent, k_rope = cached_latent[:, 0], cached_rope[:, 0]  # [B, S, d_c], [B, S, d_r]
+            rows = cached_rows(past_key_values, self.layer_idx, latent, k_rope)
+            latent, k_rope = rows[..., : c.kv_lora_rank], rows[..., c.kv_lora_rank :]  # [B, S, d_c], [B, S, d_r]
 
-        mask = self._sdpa_mask(attention_mask, T, latent.shape[1], hidden_states.device)
+        S = latent.shape[1]
         if self._use_absorbed(T, past_key_values is not None):
-            out = self._absorbed(q_nope, q_rope, latent, k_rope, mask, attention_mask)
+            if rows is None:
+                rows = torch.cat((latent, k_rope), dim=-1)
+            # no mask built without padding: the causal limit is the queries' place at the end
+            padding = None if attention_mask is None else self._sdpa_mask(attention_mask, T, S, hidden_states.device)
+            out = self._absorbed(q_nope, q_rope, rows, padding)
         else:
-            out = self._expanded(q_nope, q_rope, latent, k_rope, mask)
+            out = self._expanded(q_nope, q_rope, latent, k_rope, self._sdpa_mask(attention_mask, T, S, hidden_states.device))
         return self.o_proj(out.reshape(B, T, c.num_heads * c.v_head_dim)), None
 
     def _use_absorbed(self, q_len: int, has_cache: bool) -> bool:
+        """auto: absorbed at inference (decode, and prefill on the CPU, where the one-KV-head form
+        runs in PyTorch's fused SDPA kernel); expanded for training and for prefill on GPUs."""
         mode = self.config.decode
         if mode != "auto":
             return mode == "absorbed"
-        return has_cache and q_len <= self.config.absorb_max_query_tokens and not self.training
+        if self.training:
+            return False
+        return has_cache and (q_len <= self.config.absorb_max_query_tokens or self.kv_a_proj.weight.device.type == "cpu")
 
     @staticmethod
     def _sdpa_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor | None:
@@ -163,19 +173,18 @@ class MLAAttention(nn.Module):
         )  # [B, H, T, d_v]
         return out.transpose(1, 2)  # [B, T, H, d_v]
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope, mask, attention_mask) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
         c = self.config
         w_uk, w_uv = self.up_weights()
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # [B, T, H, d_c]
         # The K bias of kv_b_proj adds q_nope . b_k[h] to every score of a query: softmax drops it.
-        if attention_mask is None:
+        if mask is None and rows.device.type == "cuda":  # the Triton kernel (reference twin elsewhere)
+            latent, k_rope = rows[..., : c.kv_lora_rank], rows[..., c.kv_lora_rank :]
             o_lat = mla_decode(q_lat, q_rope, latent, k_rope, c.softmax_scale)  # [B, T, H, d_c]
-        else:  # padded batches: the general masked path (MQA with one latent KV head)
-            q_cat = torch.cat((q_lat, q_rope), dim=-1).transpose(1, 2)  # [B, H, T, d_c + d_r]
-            k_cat = torch.cat((latent, k_rope), dim=-1)[:, None]  # [B, 1, S, d_c + d_r]
-            o_lat = F.scaled_dot_product_attention(
-                q_cat, k_cat, latent[:, None], attn_mask=mask, scale=c.softmax_scale, enable_gqa=True
-            ).transpose(1, 2)  # [B, T, H, d_c]
+        else:  # MQA with one KV head [c | k_r]: PyTorch's fused SDPA (the mask only for padding)
+            q_rows = torch.cat((q_lat, q_rope), dim=-1)  # [B, T, H, d_c + d_r]
+            o_lat = attend_rows(q_rows, rows, c.kv_lora_rank, c.softmax_scale, mask,
+                                fold_max_queries=c.absorb_max_query_tokens)  # [B, T, H, d_c]
         out = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # [B, T, H, d_v]
         if self.kv_b_proj.bias is not None:  # V bias passes through (weights sum to one)
             b_v = self.kv_b_proj.bias.view(c.num_heads, -1)[:, c.qk_nope_head_dim :]

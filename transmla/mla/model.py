@@ -7,11 +7,12 @@ block; `import transmla` registers these so AutoModelForCausalLM.from_pretrained
 from __future__ import annotations
 
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from ..families import FAMILIES, Family
 from .attention import MLAAttention
 from .config import MLAConfig
+from .latent_cache import LatentCache
 
 MODEL_TYPE_PREFIX = "transmla_"
 
@@ -26,6 +27,14 @@ def _swap_attention(model) -> None:
         layer.self_attn = MLAAttention(mla, i)
 
 
+def _swap_in_latent_cache(model, model_kwargs: dict, max_cache_length: int) -> None:
+    """generate()'s default (dynamic) cache becomes a LatentCache preallocated for
+    max_cache_length tokens; a cache the caller passed, or another cache_implementation, stays."""
+    cache = model_kwargs.get("past_key_values")
+    if type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not cache.offloading:
+        model_kwargs["past_key_values"] = LatentCache(model.config.num_hidden_layers, max_cache_length)
+
+
 def _build_classes(family: Family) -> tuple[type, type]:
     base_config = getattr(transformers, family.config_class)
     base_model = getattr(transformers, family.causal_lm_class)
@@ -36,10 +45,18 @@ def _build_classes(family: Family) -> tuple[type, type]:
         _swap_attention(self)
         self.post_init()
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        base_model._prepare_cache_for_generation(
+            self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        _swap_in_latent_cache(self, model_kwargs, max_cache_length)
+
     model_cls = type(
         f"MLA{base_model.__name__}",
         (base_model,),
-        {"config_class": config_cls, "__init__": __init__, "_supports_flash_attn": False},
+        {"config_class": config_cls, "__init__": __init__, "_supports_flash_attn": False,
+         "_prepare_cache_for_generation": _prepare_cache_for_generation},
     )
     return config_cls, model_cls
 
