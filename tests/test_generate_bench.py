@@ -15,7 +15,8 @@ ROW_FIELDS = {
     "model", "attention", "batch", "context", "new_tokens", "dtype", "device", "prefill_seconds",
     "decode_seconds", "decode_tokens_per_second", "ms_per_step", "kv_elements_per_token_per_layer",
     "kv_bytes_per_token_per_layer", "layers", "cached_tokens", "cache_bytes", "formula_cache_bytes",
-    "peak_memory_bytes", "decode_mode",
+    "peak_memory_bytes", "decode_mode", "cache", "repeats", "prefill_seconds_median", "decode_seconds_median",
+    "ms_per_step_median", "model_bytes", "bytes_per_step",
 }
 
 
@@ -46,20 +47,42 @@ def _check_row(row: dict, attention: str) -> None:
     assert row["cache_bytes"] == row["formula_cache_bytes"] > 0
     assert row["formula_cache_bytes"] == row["kv_bytes_per_token_per_layer"] * row["layers"] * (T + N) * B
     assert row["decode_tokens_per_second"] > 0 and row["prefill_seconds"] > 0 and row["ms_per_step"] > 0
+    assert row["prefill_seconds"] <= row["prefill_seconds_median"] and row["ms_per_step"] <= row["ms_per_step_median"]
+    assert row["decode_seconds"] == min(row["decode_seconds_all"]) and len(row["decode_seconds_all"]) == row["repeats"]
+    assert row["bytes_per_step"] == row["model_bytes"] + row["kv_bytes_per_token_per_layer"] * row["layers"] * T * B
     assert row["peak_memory_bytes"] is None  # CPU
 
 
 def test_lossless_against_source(tiny):
     result = bench_generate(str(tiny["lossless"]), str(tiny["src"]), batch=B, context=T, new_tokens=N, device="cpu")
-    assert {"machine", "torch", "transformers"} <= result["environment"].keys()
-    mla, src = result["rows"]
+    assert {"machine", "torch", "transformers", "load_average", "load_average_after"} <= result["environment"].keys()
+    mla, dynamic, static = result["rows"]
     _check_row(mla, "MLA")
-    _check_row(src, "GQA")
-    assert mla["decode_mode"] == "absorbed" and src["decode_mode"] is None
-    assert mla["model"] == str(tiny["lossless"]) and src["model"] == str(tiny["src"])
-    assert mla["speedup_vs_source"] > 0
-    assert mla["cache_ratio_vs_source"] == mla["cache_bytes"] / src["cache_bytes"]
-    assert "speedup_vs_source" not in src
+    for src in (dynamic, static):
+        _check_row(src, "GQA")
+        assert src["decode_mode"] is None and src["model"] == str(tiny["src"])
+        assert "speedup_vs_source" not in src
+    assert (mla["cache"], dynamic["cache"], static["cache"]) == ("latent", "dynamic", "static")
+    assert mla["decode_mode"] == "auto" and mla["model"] == str(tiny["lossless"])
+    best = max((dynamic, static), key=lambda r: r["decode_tokens_per_second"])
+    assert mla["source_cache"] == best["cache"]
+    assert mla["speedup_vs_source"] == mla["decode_tokens_per_second"] / best["decode_tokens_per_second"]
+    assert mla["ideal_speedup"] == best["bytes_per_step"] / mla["bytes_per_step"]
+    assert mla["prefill_ratio_vs_source"] == mla["prefill_seconds"] / min(dynamic["prefill_seconds"], static["prefill_seconds"])
+    assert mla["cache_ratio_vs_source"] == mla["cache_bytes"] / best["cache_bytes"]
+
+
+def test_random_fill_decode_only_beyond_positions(tiny):
+    """--no-prefill: the cache holds random values of the right size, only decode is timed; the
+    position limit (256 here) may be passed for a speed measurement."""
+    result = bench_generate(str(tiny["small"]), str(tiny["src"]), batch=1, context=300, new_tokens=2, device="cpu",
+                            repeats=2, prefill=False, source_caches=("dynamic",), beyond_positions=True)
+    mla, src = result["rows"]
+    assert result["environment"]["beyond_trained_positions"] is True
+    for row in (mla, src):
+        assert row["prefill"] is False and row["prefill_seconds"] is None and row["repeats"] == 2
+        assert row["cached_tokens"] == 302 and row["cache_bytes"] == row["formula_cache_bytes"]
+    assert "prefill_ratio_vs_source" not in mla and mla["source_cache"] == "dynamic"
 
 
 def test_compressed_source_found_from_config(tiny):
@@ -67,7 +90,8 @@ def test_compressed_source_found_from_config(tiny):
     from transmla.checkpoint.resolve import load_config
 
     assert find_recorded_source(load_config(tiny["small"])) == str(tiny["src"])
-    result = bench_generate(str(tiny["small"]), batch=B, context=T, new_tokens=N, device="cpu")
+    result = bench_generate(str(tiny["small"]), batch=B, context=T, new_tokens=N, device="cpu",
+                            source_caches=("static",))
     mla, src = result["rows"]
     _check_row(mla, "MLA")
     _check_row(src, "GQA")
@@ -77,8 +101,9 @@ def test_compressed_source_found_from_config(tiny):
 
 def test_source_alone(tiny):
     result = bench_generate(str(tiny["src"]), batch=B, context=T, new_tokens=N, device="cpu")
-    assert len(result["rows"]) == 1
-    _check_row(result["rows"][0], "GQA")
+    assert [r["cache"] for r in result["rows"]] == ["dynamic", "static"]  # a model that is not MLA: each stock cache
+    for row in result["rows"]:
+        _check_row(row, "GQA")
 
 
 def test_recorded_source_missing(tiny, tmp_path):
@@ -103,6 +128,8 @@ def test_recorded_source_missing(tiny, tmp_path):
         ({"new_tokens": 0}, "new_tokens must be at least 1"),
         ({"dtype": "fp8"}, "dtype must be one of"),
         ({"context": 250, "new_tokens": 10}, "max_position_embeddings"),
+        ({"repeats": 0}, "repeats must be at least 1"),
+        ({"source_caches": ("sliding",)}, "unknown source cache"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, message):
@@ -113,15 +140,16 @@ def test_bad_arguments(tiny, kwargs, message):
 
 def test_cli_json_and_table(tiny, cli):
     code, out, err = cli("bench", "generate", tiny["small"], "--source", tiny["src"], "--batch", B, "--context", T,
-                         "--new-tokens", N, "--device", "cpu", "--json")
+                         "--new-tokens", N, "--device", "cpu", "--repeats", 2, "--source-cache", "static", "--json")
     assert code == 0, err
     mla, src = json.loads(out)["rows"]
+    assert mla["repeats"] == src["repeats"] == 2 and src["cache"] == "static"
     assert mla["cache_bytes"] == mla["formula_cache_bytes"] and src["cache_bytes"] == src["formula_cache_bytes"]
     assert mla["cache_ratio_vs_source"] < 1
     code, out, err = cli("bench", "generate", tiny["lossless"], "--batch", 1, "--context", 8, "--new-tokens", 2,
                          "--device", "cpu")
     assert code == 0, err
-    assert "tokens/s" in out and "MLA" in out and "GQA" in out
+    assert "tokens/s" in out and "MLA" in out and "GQA" in out and "(static)" in out and "load" in out
 
 
 @pytest.mark.parametrize(

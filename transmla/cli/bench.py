@@ -101,36 +101,53 @@ def generate(
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
+    repeats: Annotated[int, typer.Option(help="Repetitions per model and cache (min and median reported).")] = 3,
+    prefill: Annotated[bool, typer.Option(
+        help="Fill the cache by a timed prefill; --no-prefill fills it with random values (decode timing only).")] = True,
+    source_cache: Annotated[list[str] | None, typer.Option(
+        help="Stock transformers cache(s) the source runs with: dynamic, static (repeatable; default both, "
+             "the faster is compared).")] = None,
+    beyond_positions: Annotated[bool, typer.Option(
+        help="Allow context + new tokens beyond max_position_embeddings (a speed measurement only).")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """End-to-end greedy decode: tokens/s, cache bytes and peak memory, MLA model against its source."""
-    from transmla.eval.generate_bench import bench_generate
+    """End-to-end greedy decode: tokens/s, prefill, cache bytes, MLA model against its source's best stock cache."""
+    from transmla.eval.generate_bench import SOURCE_CACHES, bench_generate
 
     try:
         result = bench_generate(model, source, batch=batch, context=context, new_tokens=new_tokens,
-                                dtype=dtype, device=device, seed=seed, progress=not as_json)
+                                dtype=dtype, device=device, seed=seed, repeats=repeats, prefill=prefill,
+                                source_caches=tuple(source_cache or SOURCE_CACHES),
+                                beyond_positions=beyond_positions, progress=not as_json)
     except ValueError as exc:
         _fail(str(exc).strip().splitlines()[0])
     if as_json:
         print(json.dumps(result, indent=2, default=str))
         return
-    stdout.print(_generate_table(result["rows"]))
+    stdout.print(_generate_table(result))
 
 
-def _generate_table(rows: list[dict]) -> Table:
-    """One column per model, one line per measure: timings, cache (measured and formula), memory."""
+def _generate_table(result: dict) -> Table:
+    """One column per model and cache, one line per measure: timings (min / median), cache, bytes per step."""
+    rows, env = result["rows"], result["environment"]
     r0 = rows[0]
-    table = Table(title=f"generate: B={r0['batch']} T={r0['context']} N={r0['new_tokens']} {r0['dtype']} on {r0['device']}")
+    table = Table(title=f"generate: B={r0['batch']} T={r0['context']} N={r0['new_tokens']} {r0['dtype']} on "
+                        f"{r0['device']}, {r0['repeats']} repeats, load {env['load_average']} -> "
+                        f"{env['load_average_after']}")
     table.add_column("")
     for r in rows:
-        table.add_column(Path(r["model"]).name or r["model"], justify="right")
+        table.add_column(f"{Path(r['model']).name or r['model']} ({r['cache']})", justify="right")
     mb = lambda v: None if v is None else v / 1e6
     lines = (
         ("attention", lambda r: r["attention"]),
-        ("prefill s", lambda r: f"{r['prefill_seconds']:.3f}"),
-        ("decode ms/step", lambda r: f"{r['ms_per_step']:.2f}"),
-        ("decode tokens/s", lambda r: f"{r['decode_tokens_per_second']:.1f}"),
+        ("prefill s (min / median)", lambda r: "-" if r["prefill_seconds"] is None
+         else f"{r['prefill_seconds']:.3f} / {r['prefill_seconds_median']:.3f}"),
+        ("decode ms/step (min / median)", lambda r: f"{r['ms_per_step']:.2f} / {r['ms_per_step_median']:.2f}"),
+        ("decode tokens/s (best)", lambda r: f"{r['decode_tokens_per_second']:.1f}"),
         ("x source tokens/s", lambda r: _fmt(r.get("speedup_vs_source"), ".2f")),
+        ("ideal x (bytes/step)", lambda r: _fmt(r.get("ideal_speedup"), ".2f")),
+        ("x source prefill time", lambda r: _fmt(r.get("prefill_ratio_vs_source"), ".2f")),
+        ("bytes/step MB", lambda r: f"{mb(r['bytes_per_step']):.1f}"),
         ("cache MB", lambda r: f"{mb(r['cache_bytes']):.3f}"),
         ("cache MB (formula)", lambda r: f"{mb(r['formula_cache_bytes']):.3f}"),
         ("x source cache", lambda r: _fmt(r.get("cache_ratio_vs_source"), ".3f")),

@@ -1,21 +1,29 @@
-"""End-to-end generation benchmark: decode tokens/s and peak memory of a model against its source.
+"""End-to-end generation benchmark: decode tokens/s, prefill time and cache of a model against its source.
 
-For each model (the converted MLA model first, then its source): load it, prefill B random
-prompts of T tokens through a transformers ``DynamicCache``, then decode N tokens greedily one
-step at a time, feeding back the argmax (the loop of ``measured_cache.measure_cache``, batched).
-MLA models prefill with the expanded path and decode with the absorbed one (their cache holds
-the latent and the shared rope key). A short untimed warm-up pass (a few prompt tokens, one
-decode step, on a throwaway cache) runs first so the timed numbers leave out one-time costs.
+For each model (the converted MLA model first, then its source): load it, fill a cache with B
+prompts of T tokens, then decode N tokens greedily one step at a time, feeding back the argmax
+(what ``generate()`` does), ``repeats`` times; min and median are kept. Each model runs the way
+it runs best here:
+- an MLA model with its own LatentCache (preallocated for T + N tokens, as ``generate()`` sizes
+  it) and the "auto" attention (absorbed, fused SDPA with one latent KV head on the CPU);
+- a source model with each stock transformers cache in ``source_caches`` ("dynamic": the default
+  DynamicCache; "static": a StaticCache of T + N tokens); the comparison uses the faster one.
+The cache is filled by a real prefill of random prompts (timed), or, with ``prefill=False``, by
+random cache contents of the same size (only decode is timed: long contexts without minutes of
+prefill; decode cost does not depend on the cached values). A short untimed warm-up runs first.
 
 Each row holds the timings, the bytes the cache really held (must equal the formula
-``kv_bytes_per_token_per_layer * layers * (T + N) * B``) and, on CUDA, the peak memory
-allocated (weights + cache + activations). Pure library: no printing beyond optional progress
-lines on stderr.
+``kv_bytes_per_token_per_layer * layers * (T + N) * B``), the bytes a decode step must read
+(weights + cache at context T) and, on CUDA, the peak memory. The MLA row gets the ratios to the
+best source row, including the ideal speedup: source bytes per step over MLA bytes per step.
+Pure library: no printing beyond optional progress lines on stderr.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -47,13 +55,17 @@ def _validate(batch: int, context: int, new_tokens: int, dtype: str) -> None:
     torch_dtype(dtype)  # ValueError on a bad name
 
 
-def _check_positions(config, spec: str, context: int, new_tokens: int) -> None:
-    """The prompt plus the generated tokens must fit the model's position range, when it has one."""
+def _check_positions(config, spec: str, context: int, new_tokens: int, beyond_positions: bool) -> bool:
+    """Does the prompt plus the generated tokens exceed the model's position range? An error unless
+    ``beyond_positions`` (speed does not depend on it: RoPE just extrapolates)."""
     limit = getattr(config, "max_position_embeddings", None)
-    if limit and context + new_tokens > limit:
+    beyond = bool(limit and context + new_tokens > limit)
+    if beyond and not beyond_positions:
         raise ValueError(
-            f"context + new_tokens = {context + new_tokens} exceeds max_position_embeddings = {limit} of {spec}"
+            f"context + new_tokens = {context + new_tokens} exceeds max_position_embeddings = {limit} of {spec} "
+            "(allow it for a speed measurement with beyond_positions / --beyond-positions)"
         )
+    return beyond
 
 
 def find_recorded_source(config) -> str | None:
@@ -97,36 +109,62 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _set_mode(model, mode: str | None) -> None:
-    """Set the MLA attention path ("expanded"/"absorbed"/"auto") of an MLA model; no-op for others."""
-    from ..mla.model import is_mla_config, set_decode_mode
-
-    if mode is not None and is_mla_config(model.config):
-        set_decode_mode(model, mode)
+SOURCE_CACHES = ("dynamic", "static")
 
 
-def _generate(model, ids: torch.Tensor, new_tokens: int, mla: bool):
-    """Prefill ``ids`` [B, T] into a fresh cache, then decode ``new_tokens`` greedy steps.
+def _new_cache(model, kind: str, capacity: int):
+    """A fresh cache: "latent" (MLA), "dynamic" or "static" (stock transformers) for ``capacity`` tokens."""
+    from transformers import DynamicCache, StaticCache
 
-    Returns (cache, prefill_seconds, decode_seconds); the cache ends up holding T + new_tokens tokens.
-    """
-    from transformers import DynamicCache
+    from ..mla.latent_cache import LatentCache
 
+    if kind == "latent":
+        return LatentCache(model.config.num_hidden_layers, capacity)
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    raise ValueError(f"unknown cache {kind!r}: expected latent, dynamic or static")
+
+
+def _fill_randomly(model, cache, batch: int, context: int, seed: int) -> None:
+    """Put ``context`` tokens of random keys/values in every layer of ``cache`` (shapes as the model caches them)."""
+    from ..mla.model import is_mla_config
+
+    gen = torch.Generator().manual_seed(seed)
+    param = next(model.parameters())
+    config = model.config
+    if is_mla_config(config):
+        widths, heads = (config.mla["kv_lora_rank"], config.mla["qk_rope_head_dim"]), 1
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        widths, heads = (head_dim, head_dim), config.num_key_value_heads
+    for layer in range(config.num_hidden_layers):
+        k, v = (torch.randn(batch, heads, context, w, generator=gen).to(param.device, param.dtype) for w in widths)
+        cache.update(k, v, layer)  # [B, heads, T, width]
+
+
+def _run(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bool, seed: int):
+    """Fill a fresh cache with ``ids`` [B, T] (a real prefill, or random contents), then decode
+    ``new_tokens`` greedy steps. Returns (cache, prefill_seconds or None, decode_seconds)."""
     device = ids.device.type
-    cache = DynamicCache(config=model.config)
-    _set_mode(model, "expanded" if mla else None)
+    B, T = ids.shape
+    cache = _new_cache(model, cache_kind, T + new_tokens)
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)  # prefill: T tokens cached
+    if prefill:
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, vocab]
+    else:
+        _fill_randomly(model, cache, B, T, seed)
+        logits = model.lm_head(model.model.embed_tokens(ids[:, -1:]))  # [B, 1, vocab]: any valid next token
     _sync(device)
     t1 = time.perf_counter()
-    _set_mode(model, "absorbed" if mla else None)
     for _ in range(new_tokens):
-        nxt = out.logits[:, -1:].argmax(-1)  # [B, 1] greedy
-        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        nxt = logits.argmax(-1)  # [B, 1] greedy
+        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
     _sync(device)
     t2 = time.perf_counter()
-    return out.past_key_values, t1 - t0, t2 - t1
+    return cache, (t1 - t0) if prefill else None, t2 - t1
 
 
 def _random_prompts(vocab_size: int, batch: int, context: int, seed: int, device: str) -> torch.Tensor:
@@ -135,39 +173,68 @@ def _random_prompts(vocab_size: int, batch: int, context: int, seed: int, device
     return torch.randint(0, vocab_size, (batch, context), generator=gen).to(device)  # [B, T]
 
 
-def _bench_one(spec: str, batch: int, context: int, new_tokens: int, dtype: str, device: str,
-               seed: int, progress: bool) -> dict[str, Any]:
-    """Load one model, warm it up, time prefill + decode, measure its cache; one result row."""
+def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: str, device: str, seed: int,
+                 repeats: int, prefill: bool, source_caches, progress: bool) -> list[dict[str, Any]]:
+    """Load one model, warm it up, time fill + decode ``repeats`` times per cache kind; one row per cache kind."""
     from ..checkpoint.resolve import load_model
-    from ..mla.model import is_mla_config
+    from ..mla.model import is_mla_config, set_decode_mode
 
     _status(progress, f"loading {spec} ({dtype}, {device})")
     model, _ = load_model(spec, dtype=torch_dtype(dtype), device=device)
     mla = is_mla_config(model.config)
     old_mode = model.config.mla.get("decode", "auto") if mla else None
+    if mla:
+        set_decode_mode(model, "auto")
+    rows = []
     try:
         ids = _random_prompts(model.config.vocab_size, batch, context, seed, device)  # [B, T]
-        with torch.inference_mode():
-            _generate(model, ids[:, :WARMUP_PROMPT_TOKENS], 1, mla)  # untimed warm-up, throwaway cache
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            _status(progress, f"prefill {batch}x{context}, decode {new_tokens} steps")
-            cache, prefill_s, decode_s = _generate(model, ids, new_tokens, mla)
-        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        row = _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefill_s, decode_s, peak)
-        row["decode_mode"] = "absorbed" if mla else None
+        for kind in ("latent",) if mla else source_caches:
+            prefills, decodes = [], []
+            with torch.inference_mode():
+                _run(model, ids[:, :WARMUP_PROMPT_TOKENS], 1, kind, True, seed)  # untimed warm-up
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                for rep in range(repeats):
+                    _status(progress, f"{'prefill' if prefill else 'random fill'} {batch}x{context}, decode "
+                                      f"{new_tokens} steps, {kind} cache ({rep + 1}/{repeats})")
+                    cache, prefill_s, decode_s = _run(model, ids, new_tokens, kind, prefill, seed)
+                    prefills.append(prefill_s)
+                    decodes.append(decode_s)
+                    if rep + 1 < repeats:
+                        del cache
+                        _free(device)
+            peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+            row = _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak)
+            row.update(cache=kind, decode_mode="auto" if mla else None)
+            rows.append(row)
+            del cache
+            _free(device)
     finally:
         if mla:
-            _set_mode(model, old_mode)
+            set_decode_mode(model, old_mode)
         del model
         _free(device)
-    return row
+    return rows
 
 
-def _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefill_s, decode_s, peak) -> dict[str, Any]:
-    """The result row of one benchmarked model."""
+def _unique_parameter_bytes(model) -> int:
+    """Bytes of the weights (tied ones once): what a decode step reads besides the cache."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak) -> dict[str, Any]:
+    """The result row of one benchmarked model and cache: min and median over the repetitions."""
     kv = kv_summary(model.config, torch_dtype(dtype))
     per_token_layer = kv["kv_bytes_per_token_per_layer"]
+    weights = _unique_parameter_bytes(model)
+    cache_at_context = per_token_layer * kv["layers"] * context * batch
+    decode_min, decode_median = min(decodes), statistics.median(decodes)
+    timed_prefills = [t for t in prefills if t is not None]
     return {
         "model": spec,
         "attention": kv["attention"],
@@ -176,17 +243,25 @@ def _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefill_
         "new_tokens": new_tokens,
         "dtype": dtype,
         "device": device,
-        "prefill_seconds": prefill_s,
-        "decode_seconds": decode_s,
-        "decode_tokens_per_second": batch * new_tokens / decode_s,
-        "ms_per_step": 1000 * decode_s / new_tokens,
+        "repeats": len(decodes),
+        "prefill": bool(timed_prefills),
+        "prefill_seconds": min(timed_prefills) if timed_prefills else None,
+        "prefill_seconds_median": statistics.median(timed_prefills) if timed_prefills else None,
+        "decode_seconds": decode_min,
+        "decode_seconds_median": decode_median,
+        "decode_seconds_all": decodes,
+        "decode_tokens_per_second": batch * new_tokens / decode_min,
+        "decode_tokens_per_second_median": batch * new_tokens / decode_median,
+        "ms_per_step": 1000 * decode_min / new_tokens,
+        "ms_per_step_median": 1000 * decode_median / new_tokens,
         "kv_elements_per_token_per_layer": kv["kv_elements_per_token_per_layer"],
         "kv_bytes_per_token_per_layer": per_token_layer,
         "layers": kv["layers"],
         "cached_tokens": int(cache.get_seq_length()),
         "cache_bytes": cache_bytes(cache),
         "formula_cache_bytes": per_token_layer * kv["layers"] * (context + new_tokens) * batch,
-        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "model_bytes": weights,
+        "bytes_per_step": weights + cache_at_context,  # weights + cache at context T, read once per step
         "peak_memory_bytes": peak,
     }
 
@@ -198,12 +273,20 @@ def _status(enabled: bool, text: str) -> None:
         stderr_console.print(f"[dim]{text}[/dim]")
 
 
-def _compare(row: dict[str, Any], source_row: dict[str, Any]) -> None:
-    """Add the model-vs-source ratios to ``row``."""
-    row["speedup_vs_source"] = row["decode_tokens_per_second"] / source_row["decode_tokens_per_second"]
-    row["cache_ratio_vs_source"] = row["cache_bytes"] / source_row["cache_bytes"]
-    if row["peak_memory_bytes"] is not None and source_row["peak_memory_bytes"]:
-        row["peak_memory_ratio_vs_source"] = row["peak_memory_bytes"] / source_row["peak_memory_bytes"]
+def _compare(row: dict[str, Any], source_rows: list[dict[str, Any]]) -> None:
+    """Add the ratios to the best source row (fastest decode) to ``row``."""
+    best = max(source_rows, key=lambda r: r["decode_tokens_per_second"])
+    row["source_cache"] = best["cache"]
+    row["speedup_vs_source"] = row["decode_tokens_per_second"] / best["decode_tokens_per_second"]
+    row["speedup_vs_source_median"] = row["decode_tokens_per_second_median"] / best["decode_tokens_per_second_median"]
+    row["ideal_speedup"] = best["bytes_per_step"] / row["bytes_per_step"]
+    row["fraction_of_ideal"] = row["speedup_vs_source"] / row["ideal_speedup"]
+    row["cache_ratio_vs_source"] = row["cache_bytes"] / best["cache_bytes"]
+    prefills = [r["prefill_seconds"] for r in source_rows if r["prefill_seconds"] is not None]
+    if row["prefill_seconds"] is not None and prefills:
+        row["prefill_ratio_vs_source"] = row["prefill_seconds"] / min(prefills)
+    if row["peak_memory_bytes"] is not None and best["peak_memory_bytes"]:
+        row["peak_memory_ratio_vs_source"] = row["peak_memory_bytes"] / best["peak_memory_bytes"]
 
 
 def bench_generate(
@@ -215,29 +298,46 @@ def bench_generate(
     dtype: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    repeats: int = 3,
+    prefill: bool = True,
+    source_caches=SOURCE_CACHES,
+    beyond_positions: bool = False,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Decode speed and memory of ``model`` and its source: {"environment": ..., "rows": [...]}.
+    """Decode speed, prefill time and cache of ``model`` and its source: {"environment": ..., "rows": [...]}.
 
     ``source`` defaults to the one the MLA config records (when it exists on disk); a model that
     is not MLA is benchmarked alone unless a source is given. ``dtype`` defaults to bf16 on CUDA
-    and fp32 on the CPU. The first row is ``model`` (with ``speedup_vs_source`` and
-    ``cache_ratio_vs_source`` when there is a source), the second the source. Models are loaded
-    one at a time; both get the same random prompts (``seed``).
+    and fp32 on the CPU. Rows: ``model`` first (with the ratios to the fastest source row when
+    there is a source: ``speedup_vs_source``, ``ideal_speedup``, ``fraction_of_ideal``,
+    ``prefill_ratio_vs_source``, ``source_cache``), then the source once per cache in
+    ``source_caches``. Models are loaded one at a time; all get the same random prompts (``seed``).
+    The environment records the load average before and after.
     """
     from ..checkpoint.resolve import load_config
 
     device = pick_device(device)
     dtype = dtype or default_dtype(device)
     _validate(batch, context, new_tokens, dtype)
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    for kind in source_caches:
+        if kind not in SOURCE_CACHES:
+            raise ValueError(f"unknown source cache {kind!r}: expected one of {', '.join(SOURCE_CACHES)}")
+    if not source_caches:
+        raise ValueError("give at least one source cache")
     config = load_config(model)
     source = _resolve_source(model, config, source)
-    _check_positions(config, model, context, new_tokens)
+    beyond = _check_positions(config, model, context, new_tokens, beyond_positions)
     if source is not None:
-        _check_positions(load_config(source), source, context, new_tokens)
+        beyond |= _check_positions(load_config(source), source, context, new_tokens, beyond_positions)
 
-    rows = [_bench_one(spec, batch, context, new_tokens, dtype, device, seed, progress)
-            for spec in ([model] if source is None else [model, source])]
-    if len(rows) == 2:
-        _compare(rows[0], rows[1])
-    return {"environment": environment(), "rows": rows}
+    env = environment()
+    specs = [model] if source is None else [model, source]
+    rows = [row for spec in specs for row in _bench_model(
+        spec, batch, context, new_tokens, dtype, device, seed, repeats, prefill, tuple(source_caches), progress)]
+    env["load_average_after"] = round(os.getloadavg()[0], 2)
+    env["beyond_trained_positions"] = beyond
+    if source is not None:
+        _compare(rows[0], rows[1:])
+    return {"environment": env, "rows": rows}
