@@ -140,10 +140,11 @@ def test_bad_arguments(tiny, kwargs, message):
 
 def test_cli_json_and_table(tiny, cli):
     code, out, err = cli("bench", "generate", tiny["small"], "--source", tiny["src"], "--batch", B, "--context", T,
-                         "--new-tokens", N, "--device", "cpu", "--repeats", 2, "--source-cache", "static", "--json")
+                         "--new-tokens", N, "--device", "cpu", "--repeats", 2, "--source-cache", "static", "--threads", 1, "--json")
     assert code == 0, err
     mla, src = json.loads(out)["rows"]
     assert mla["repeats"] == src["repeats"] == 2 and src["cache"] == "static"
+    assert json.loads(out)["environment"]["threads"] == 1
     assert mla["cache_bytes"] == mla["formula_cache_bytes"] and src["cache_bytes"] == src["formula_cache_bytes"]
     assert mla["cache_ratio_vs_source"] < 1
     code, out, err = cli("bench", "generate", tiny["lossless"], "--batch", 1, "--context", 8, "--new-tokens", 2,

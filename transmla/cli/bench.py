@@ -109,6 +109,8 @@ def generate(
              "the faster is compared).")] = None,
     beyond_positions: Annotated[bool, typer.Option(
         help="Allow context + new tokens beyond max_position_embeddings (a speed measurement only).")] = False,
+    threads: Annotated[int | None, typer.Option(
+        help="torch CPU threads for both models (default: torch's; 1 is steadier on a shared CPU).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """End-to-end greedy decode: tokens/s, prefill, cache bytes, MLA model against its source's best stock cache."""
@@ -118,7 +120,8 @@ def generate(
         result = bench_generate(model, source, batch=batch, context=context, new_tokens=new_tokens,
                                 dtype=dtype, device=device, seed=seed, repeats=repeats, prefill=prefill,
                                 source_caches=tuple(source_cache or SOURCE_CACHES),
-                                beyond_positions=beyond_positions, progress=not as_json)
+                                beyond_positions=beyond_positions, threads=threads,
+                                progress=not as_json)
     except ValueError as exc:
         _fail(str(exc).strip().splitlines()[0])
     if as_json:
@@ -132,7 +135,7 @@ def _generate_table(result: dict) -> Table:
     rows, env = result["rows"], result["environment"]
     r0 = rows[0]
     table = Table(title=f"generate: B={r0['batch']} T={r0['context']} N={r0['new_tokens']} {r0['dtype']} on "
-                        f"{r0['device']}, {r0['repeats']} repeats, load {env['load_average']} -> "
+                        f"{r0['device']}, {env['threads']} threads, {r0['repeats']} repeats, load {env['load_average']} -> "
                         f"{env['load_average_after']}")
     table.add_column("")
     for r in rows:

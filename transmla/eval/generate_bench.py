@@ -302,6 +302,7 @@ def bench_generate(
     prefill: bool = True,
     source_caches=SOURCE_CACHES,
     beyond_positions: bool = False,
+    threads: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Decode speed, prefill time and cache of ``model`` and its source: {"environment": ..., "rows": [...]}.
@@ -312,7 +313,9 @@ def bench_generate(
     there is a source: ``speedup_vs_source``, ``ideal_speedup``, ``fraction_of_ideal``,
     ``prefill_ratio_vs_source``, ``source_cache``), then the source once per cache in
     ``source_caches``. Models are loaded one at a time; all get the same random prompts (``seed``).
-    The environment records the load average before and after.
+    The environment records the load average before and after. ``threads`` sets torch's CPU
+    threads for the run (both models alike; on a shared CPU one thread avoids the stalls of a
+    thread team waiting for a descheduled member).
     """
     from ..checkpoint.resolve import load_config
 
@@ -332,10 +335,17 @@ def bench_generate(
     if source is not None:
         beyond |= _check_positions(load_config(source), source, context, new_tokens, beyond_positions)
 
-    env = environment()
-    specs = [model] if source is None else [model, source]
-    rows = [row for spec in specs for row in _bench_model(
-        spec, batch, context, new_tokens, dtype, device, seed, repeats, prefill, tuple(source_caches), progress)]
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or old_threads)
+    try:
+        env = environment()
+        specs = [model] if source is None else [model, source]
+        rows = [row for spec in specs for row in _bench_model(
+            spec, batch, context, new_tokens, dtype, device, seed, repeats, prefill, tuple(source_caches), progress)]
+    finally:
+        torch.set_num_threads(old_threads)
     env["load_average_after"] = round(os.getloadavg()[0], 2)
     env["beyond_trained_positions"] = beyond
     if source is not None:

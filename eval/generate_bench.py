@@ -1,0 +1,182 @@
+"""Decode tokens/s of the converted built-in model against its source on this CPU, and the ideal.
+
+    .venv/bin/python eval/generate_bench.py              # every setting not yet in the JSON, then the report
+    .venv/bin/python eval/generate_bench.py --only 25-fp32-b1-8k   # one setting
+    .venv/bin/python eval/generate_bench.py --report     # only rewrite the table and plot
+
+Each setting is one `transmla bench generate` run (the library call behind it): the TransMLA
+conversion of smollm2-135m at 25% (or 12.5%) of the source cache, converted once with the CLI
+defaults (`transmla convert smollm2-135m OUT --method transmla --kv-budget B`, kept under
+$TRANSMLA_CACHE/bench-generate), against the source with both stock transformers caches
+(dynamic and static; the faster one is compared), greedy decode of NEW_TOKENS tokens after the
+context, REPEATS repetitions (min reported, median kept in the JSON). Settings up to 8K fill the
+cache by a real, timed prefill (the prefill ratio); longer ones fill it with random values of the
+same size (--no-prefill: decode cost does not depend on the cached values, and a 32K prefill takes
+minutes on this CPU). Beyond 8K tokens the positions pass SmolLM2's max_position_embeddings
+(speed only).
+
+Ideal speedup = bytes a decode step reads, source over MLA: weights (tied embeddings once) plus the
+KV cache at that context, both in the same dtype. Goal: MLA tokens/s over the source's >= 0.8 x ideal
+at every context >= 8K; prefill within 1.2x of the source's.
+
+Writes eval/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
+saved after every setting (resumable). Run one benchmark process at a time; the load average is
+recorded with each setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import transmla  # noqa: F401
+from transmla.checkpoint.resolve import cache_root
+from transmla.eval.generate_bench import bench_generate
+from transmla.eval.report import environment
+
+RESULTS = Path(__file__).resolve().parent / "results"
+JSON_PATH = RESULTS / "generate_bench.json"
+MODELS = cache_root() / "bench-generate"
+SOURCE = "smollm2-135m"
+NEW_TOKENS = 16
+REPEATS = 3
+BUDGETS = {"25": 0.25, "12.5": 0.125}
+
+
+def _setting(budget: str, dtype: str, batch: int, context: int, prefill: bool) -> dict:
+    name = f"{budget}-{dtype}-b{batch}-{context // 1024}k"
+    return dict(name=name, budget=budget, dtype=dtype, batch=batch, context=context, prefill=prefill)
+
+
+SETTINGS = [
+    _setting("25", "fp32", 1, 2048, True),
+    _setting("25", "fp32", 1, 8192 - NEW_TOKENS, True),
+    _setting("25", "fp32", 1, 16384, False),
+    _setting("25", "fp32", 1, 32768, False),
+    _setting("25", "fp32", 8, 2048, True),
+    _setting("25", "fp32", 8, 8192, False),
+    _setting("25", "bf16", 1, 8192, False),
+    _setting("25", "bf16", 1, 32768, False),
+    _setting("25", "bf16", 8, 8192, False),
+    _setting("12.5", "fp32", 1, 8192, False),
+    _setting("12.5", "fp32", 1, 32768, False),
+]
+
+
+def converted_model(budget: str) -> Path:
+    """The CLI-default TransMLA conversion at this budget (converted once, then reused)."""
+    out = MODELS / f"transmla-{budget}"
+    if not (out / "config.json").exists():
+        cli = Path(sys.executable).with_name("transmla")
+        subprocess.run([str(cli), "convert", SOURCE, str(out), "--method", "transmla",
+                        "--kv-budget", str(BUDGETS[budget])], check=True)
+    return out
+
+
+def load_results() -> dict:
+    return json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"settings": {}}
+
+
+def run_setting(setting: dict) -> dict:
+    result = bench_generate(
+        str(converted_model(setting["budget"])), SOURCE, batch=setting["batch"], context=setting["context"],
+        new_tokens=NEW_TOKENS, dtype=setting["dtype"], device="cpu", repeats=REPEATS, prefill=setting["prefill"],
+        beyond_positions=True, progress=True,
+    )
+    return {**setting, **result}
+
+
+def _ratio(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def write_report(results: dict) -> None:
+    rows = [results["settings"][s["name"]] for s in SETTINGS if s["name"] in results["settings"]]
+    lines = [
+        "# Decode speed on the CPU: converted SmolLM2-135M (TransMLA) against its source",
+        "",
+        "Made by `eval/generate_bench.py` (see its docstring). Greedy decode of "
+        f"{NEW_TOKENS} tokens after the context, {REPEATS} repetitions, best (min time) reported; the source "
+        "runs with the faster of transformers' DynamicCache and StaticCache (column `source cache`). "
+        "Ideal = bytes read per decode step (weights + cache at the context), source over MLA. "
+        "`fill`: prefill = a real prefill (timed: the prefill ratio), random = cache filled with random "
+        "values of the same size (decode timing only). Load = 1-minute load average before -> after "
+        "(2 cores; anything above ~2 means other jobs shared the CPU).",
+        "",
+        f"Machine: {results.get('machine', '?')}.",
+        "",
+        "| setting | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
+        "prefill MLA s | prefill source s | prefill ratio | MLA cache MB | source cache MB | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mla = r["rows"][0]
+        src = next(x for x in r["rows"][1:] if x["cache"] == mla["source_cache"])
+        env = r["environment"]
+        lines.append(
+            f"| {r['name']} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
+            f"| {src['decode_tokens_per_second']:.2f} | {src['cache']} | {mla['speedup_vs_source']:.2f} "
+            f"| {mla['ideal_speedup']:.2f} | {mla['fraction_of_ideal']:.2f} | {_ratio(mla['prefill_seconds'], '.1f')} "
+            f"| {_ratio(min((x['prefill_seconds'] for x in r['rows'][1:] if x['prefill_seconds']), default=None), '.1f')} "
+            f"| {_ratio(mla.get('prefill_ratio_vs_source'))} | {mla['cache_bytes'] / 1e6:.1f} "
+            f"| {src['cache_bytes'] / 1e6:.1f} | {env['load_average']} -> {env['load_average_after']} |"
+        )
+    (RESULTS / "generate_bench.md").write_text("\n".join(lines) + "\n")
+    _plot(rows)
+
+
+def _plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["budget"], r["dtype"], r["batch"]), []).append(r)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, ((budget, dtype, batch), rs) in zip(axes[0], sorted(groups.items())):
+        rs = sorted(rs, key=lambda r: r["context"])
+        ctx = [r["context"] for r in rs]
+        mla = [r["rows"][0]["decode_tokens_per_second"] for r in rs]
+        src = [max(x["decode_tokens_per_second"] for x in r["rows"][1:]) for r in rs]
+        ideal = [s * r["rows"][0]["ideal_speedup"] for s, r in zip(src, rs)]
+        ax.plot(ctx, src, "o-", label="source (best stock cache)")
+        ax.plot(ctx, mla, "s-", label=f"MLA {budget}%")
+        ax.plot(ctx, ideal, "k--", label="ideal (source x bytes ratio)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{budget}% cache, {dtype}, batch {batch}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "generate_bench.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="run only this setting (name as in SETTINGS)")
+    parser.add_argument("--report", action="store_true", help="only rewrite the table and plot")
+    parser.add_argument("--redo", action="store_true", help="run settings already in the JSON again")
+    args = parser.parse_args()
+    results = load_results()
+    if not args.report:
+        env = environment()
+        results["machine"] = f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}"
+        todo = [s for s in SETTINGS if (args.only in (None, s["name"]))
+                and (args.redo or args.only or s["name"] not in results["settings"])]
+        if args.only and not todo:
+            raise SystemExit(f"unknown setting {args.only!r}; one of: {', '.join(s['name'] for s in SETTINGS)}")
+        for setting in todo:
+            print(f"== {setting['name']}", file=sys.stderr, flush=True)
+            results["settings"][setting["name"]] = run_setting(setting)
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            JSON_PATH.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    write_report(results)
+
+
+if __name__ == "__main__":
+    main()
