@@ -1,7 +1,7 @@
 """Decode tokens/s of the converted built-in model against its source on this CPU, and the ideal.
 
     .venv/bin/python eval/generate_bench.py              # every setting not yet in the JSON, then the report
-    .venv/bin/python eval/generate_bench.py --only 25-fp32-b1-8k   # one setting
+    .venv/bin/python eval/generate_bench.py --only 25-fp32-b1-8k,25-fp32-b8-8k   # some settings
     .venv/bin/python eval/generate_bench.py --report     # only rewrite the table and plot
 
 Each setting is one `transmla bench generate` run (the library call behind it): the TransMLA
@@ -43,11 +43,12 @@ MODELS = cache_root() / "bench-generate"
 SOURCE = "smollm2-135m"
 NEW_TOKENS = 16
 REPEATS = 3
+THREADS = 1  # the CPU is shared: one thread per model, the same for both (see bench_generate)
 BUDGETS = {"25": 0.25, "12.5": 0.125}
 
 
 def _setting(budget: str, dtype: str, batch: int, context: int, prefill: bool) -> dict:
-    name = f"{budget}-{dtype}-b{batch}-{context // 1024}k"
+    name = f"{budget}-{dtype}-b{batch}-{round(context / 1024)}k"
     return dict(name=name, budget=budget, dtype=dtype, batch=batch, context=context, prefill=prefill)
 
 
@@ -84,7 +85,7 @@ def run_setting(setting: dict) -> dict:
     result = bench_generate(
         str(converted_model(setting["budget"])), SOURCE, batch=setting["batch"], context=setting["context"],
         new_tokens=NEW_TOKENS, dtype=setting["dtype"], device="cpu", repeats=REPEATS, prefill=setting["prefill"],
-        beyond_positions=True, progress=True,
+        beyond_positions=True, threads=THREADS, progress=True,
     )
     return {**setting, **result}
 
@@ -158,7 +159,7 @@ def _plot(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="run only this setting (name as in SETTINGS)")
+    parser.add_argument("--only", help="run only these settings (comma-separated names as in SETTINGS)")
     parser.add_argument("--report", action="store_true", help="only rewrite the table and plot")
     parser.add_argument("--redo", action="store_true", help="run settings already in the JSON again")
     args = parser.parse_args()
@@ -166,10 +167,12 @@ def main() -> None:
     if not args.report:
         env = environment()
         results["machine"] = f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}"
-        todo = [s for s in SETTINGS if (args.only in (None, s["name"]))
-                and (args.redo or args.only or s["name"] not in results["settings"])]
-        if args.only and not todo:
-            raise SystemExit(f"unknown setting {args.only!r}; one of: {', '.join(s['name'] for s in SETTINGS)}")
+        only = args.only.split(",") if args.only else None
+        unknown = set(only or ()) - {s["name"] for s in SETTINGS}
+        if unknown:
+            raise SystemExit(f"unknown setting(s) {sorted(unknown)}; one of: {', '.join(s['name'] for s in SETTINGS)}")
+        todo = [s for s in SETTINGS if (only is None or s["name"] in only)
+                and (args.redo or only or s["name"] not in results["settings"])]
         for setting in todo:
             print(f"== {setting['name']}", file=sys.stderr, flush=True)
             results["settings"][setting["name"]] = run_setting(setting)
