@@ -67,6 +67,8 @@ def dev32(b: Bench, budgets=BUDGETS) -> str:
         for name, overrides in VARIANTS.items():
             b.cached(f"export-dev32/{budget}/{name}", lambda: b.dev32_ppl(
                 b.model(ours_layers(b, budget, calib, propagate, **overrides(r))[0])))
+    if not all(f"export-dev32/{k}/{n}" in b.results for k in BUDGETS for n in VARIANTS):
+        return "not chosen yet"
     score = {n: sum(math.log(b.results[f"export-dev32/{k}/{n}"]["ppl"]) for k in BUDGETS) for n in VARIANTS}
     return min(score, key=score.get)
 

@@ -50,6 +50,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 CASES = {
     "llama-transmla-50": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-transmla-25": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
+    "llama-tied-transmla-25": ("llama", {"tie_word_embeddings": True}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
     "qwen2-bias-transmla-50": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "mistral-transmla-25": ("mistral", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
     "llama-bias-transmla-50": ("llama", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),

@@ -424,7 +424,7 @@ def deepseek_tensors(reader: SafetensorsReader, plan: ExportPlan, progress: bool
         if name not in passed:
             yield name, reader.get(name)
     if "lm_head.weight" not in reader:  # tied embeddings: written out (not every engine ties)
-        yield "lm_head.weight", reader.get("model.embed_tokens.weight")
+        yield "lm_head.weight", reader.get("model.embed_tokens.weight").clone()  # its own storage
     for i in progress_bar(range(plan.num_layers), "exporting layers", enabled=progress):
         prefix = plan.family_layer_root.format(i=i) + "self_attn."
         tensors = {n[len(prefix):]: reader.get(n) for n in attention.get(i, [])}
