@@ -223,7 +223,7 @@ def test_copy_tokenizer_files(tmp_path: Path) -> None:
     src.mkdir()
     present = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
     for name in present + ["chat_template.jinja", "config.json", "model.safetensors"]:
-        (src / name).write_text(name)
+        (src / name).write_text(f'"{name}"' if name.endswith(".json") else name)  # JSON files must parse
     copied = copy_tokenizer_files(src, dst)
     assert sorted(copied) == sorted(present + ["chat_template.jinja"])
     assert sorted(p.name for p in dst.iterdir()) == sorted(copied)

@@ -488,3 +488,54 @@ def test_progress_lines_are_periodic(capsys, monkeypatch):
     assert list(progress_bar(range(50), "items")) == list(range(50))
     lines = capsys.readouterr().err.strip().splitlines()
     assert [line.split(" (")[0] for line in lines] == ["items 0/50", "items 50/50"]  # start and end, nothing between
+
+
+# --- variants: other corrupt inputs and symlink layouts -----------------------------------------
+
+
+def test_index_naming_a_shard_outside_the_folder_is_refused(mla, tmp_path, cli):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(mla / "src", src)
+    (src / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
+    code, _, err = cli("convert", src, tmp_path / "out")
+    assert code == 1 and "is not a file name" in err, err
+
+
+def test_damaged_tokenizer_json_is_refused(mla, tmp_path, cli):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(mla / "src", src)
+    (src / "tokenizer.json").write_text("garbage")
+    code, _, err = cli("convert", src, tmp_path / "out")
+    assert code == 1 and "tokenizer.json is not valid JSON" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_finetune_checkpoint_scratch_symlink_is_refused(mla, tmp_path):
+    from transmla.finetune.recipe import parse_recipe
+    from transmla.finetune.train import run_finetune
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "checkpoints" / ".step-000002.tmp").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="symlink"):
+        run_finetune(parse_recipe(_recipe(mla, out)), progress=False)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_eval_report_never_written_through_a_symlink(mla, tmp_path, cli):
+    (tmp_path / "t.txt").write_text(" ".join(f"w{i % 50}" for i in range(400)))
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    precious = tmp_path / "precious.json"
+    precious.write_text("keep")
+    (rep / "report.json").symlink_to(precious)
+    code, _, err = cli("eval", mla / "mla", "--data", tmp_path / "t.txt", "--seq-len", "32", "--report", rep)
+    assert code == 1 and "symlink" in err, err
+    assert precious.read_text() == "keep"

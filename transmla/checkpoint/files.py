@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -46,6 +48,18 @@ def inside_folder(folder: str | Path, name: str) -> Path:
     return path
 
 
+def refuse_symlinks(folder: str | Path, names: Iterable[str] | None = None) -> None:
+    """Refuse to write into ``folder`` when one of ``names`` (default: any entry) is a symlink:
+    writing through it would change a file outside the folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    paths = [folder / n for n in names] if names is not None else sorted(folder.iterdir())
+    linked = next((p for p in paths if p.is_symlink()), None)
+    if linked is not None:
+        raise ValueError(f"{linked} is a symlink: refusing to write through it")
+
+
 def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     """Copy whichever tokenizer/generation files exist from ``src_dir``; return their names."""
     src, dst = Path(src_dir), Path(dst_dir)
@@ -53,9 +67,14 @@ def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
         raise FileNotFoundError(f"source directory not found: {src}")
     dst.mkdir(parents=True, exist_ok=True)
     names = tokenizer_file_names(src)
+    refuse_symlinks(dst, names)
     for name in names:
         target = dst / name
-        if target.is_symlink():
-            raise ValueError(f"{target} is a symlink: refusing to write through it")
-        shutil.copyfile(inside_folder(src, name), target)  # links within the folder (HF cache snapshots) are followed
+        source = inside_folder(src, name)  # links within the folder (HF cache snapshots) are followed
+        if name.endswith(".json"):
+            try:
+                json.loads(source.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{source} is not valid JSON ({e}): the source's tokenizer files are damaged") from None
+        shutil.copyfile(source, target)
     return names

@@ -82,6 +82,8 @@ class SafetensorsReader:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"malformed safetensors index {index_path}: {exc}") from exc
         for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+                raise ValueError(f"malformed safetensors index {index_path}: shard {shard!r} is not a file name in {self.directory}")
             if not (self.directory / shard).is_file():
                 raise FileNotFoundError(
                     f"shard {shard} listed in {index_path} is missing from {self.directory}"

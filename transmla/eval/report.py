@@ -442,8 +442,11 @@ def write_json(data: Any, path: Path) -> Path:
 
 def write_compare_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """report.json, report.md, perplexity.png, kv_cache.png in out_dir (created)."""
+    from ..checkpoint.files import refuse_symlinks
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    refuse_symlinks(out_dir)
     plots = plot_compare(report, out_dir)
     files = {"json": write_json(report, out_dir / "report.json")}
     md = out_dir / "report.md"

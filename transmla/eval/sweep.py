@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.files import refuse_symlinks
 from ..dtypes import torch_dtype
 from ..messages import warn
 from ..progress import progress_bar, stderr_console
@@ -217,6 +218,7 @@ def sweep(
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
+    refuse_symlinks(out_dir)
     models_dir = out_dir / "models"
 
     stderr_console.print(f"[bold]sweep[/bold]: evaluating the source model {source}")

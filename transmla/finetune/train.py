@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from ..checkpoint.files import refuse_symlinks
 from ..checkpoint.finite import require_finite, require_finite_number
 from ..dtypes import torch_dtype
 from ..progress import stderr_console
@@ -307,6 +308,8 @@ def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState, model, op
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = root / f".{final.name}.tmp"
     if accelerator.is_main_process:
+        if tmp.is_symlink() or final.is_symlink():
+            raise ValueError(f"{tmp if tmp.is_symlink() else final} is a symlink: refusing to write through it")
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     trainer = {**state.state_dict(), "recipe": recipe.dump()}
@@ -334,9 +337,7 @@ def check_output_dir(out: Path, force: bool) -> None:
         raise FileExistsError(f"output_dir {out} exists and is not a directory")
     if not out.is_dir():
         return
-    linked = [n for n in OUTPUT_NAMES if (out / n).is_symlink()]
-    if linked:
-        raise ValueError(f"{out / linked[0]} is a symlink: refusing to write through it")
+    refuse_symlinks(out, OUTPUT_NAMES)
     foreign = sorted(
         p.name for p in out.iterdir()
         if p.name not in OUTPUT_NAMES and not (p.name.startswith(".") and p.name[1:].split(".tmp-")[0] in OUTPUT_NAMES)
