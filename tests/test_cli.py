@@ -130,6 +130,14 @@ def test_bad_options(tiny_factory, tmp_path, run):
     assert_one_line_error(run("convert", path, tmp_path / "o", "--method", "magic"), "unknown method 'magic'")
     assert_one_line_error(run("convert", path, tmp_path / "o", "--max-shard-size", "lots"), "invalid size")
     assert_one_line_error(run("convert", path, tmp_path / "o", "--dtype", "fp8"), "dtype must be one of")
+    # the library names settings by field; the CLI's errors name the flags
+    convert = ("convert", path, tmp_path / "o", "--method")
+    assert_one_line_error(run(*convert, "mha2mla", "--rope-dim", 8, "-R", 8), "--rope-dim does not apply to method mha2mla")
+    assert_one_line_error(run(*convert, "transmla", "--kv-budget", 0.5, "-R", 4),
+                          "give either --kv-budget or --kv-lora-rank/--rope-dim, not both")
+    assert_one_line_error(run(*convert, "mha2mla", "-R", 8, "--svd", "tucker"), "--svd must be one of")
+    assert_one_line_error(run(*convert, "transmla", "--kv-budget", 0.5, "--propagate", "x"), "--propagate must be one of")
+    assert_one_line_error(run("eval", path, "--measure-cache", -1), "--measure-cache must be 0 or more")
 
 
 def test_debug_env_raises_with_traceback(tmp_path, monkeypatch):

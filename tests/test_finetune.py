@@ -51,7 +51,7 @@ def tiny(tmp_path_factory):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(src)
-    convert(str(src), root / "mla", ConvertOptions(method="lossless"), progress=False)
+    convert(str(src), root / "mla", ConvertOptions.of(method="lossless"), progress=False)
     rng = random.Random(0)
     (root / "train.txt").write_text("\n\n".join(_doc(rng) for _ in range(120)))
     (root / "eval.txt").write_text("\n\n".join(_doc(rng) for _ in range(30)))

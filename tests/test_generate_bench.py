@@ -33,8 +33,8 @@ def tiny(tmp_path_factory):
     make_tiny_model("llama", src)
     save_word_tokenizer(src)
     lossless, small = root / "lossless", root / "small"
-    convert(str(src), lossless, ConvertOptions(method="lossless"), progress=False)
-    convert(str(src), small, ConvertOptions(method="mha2mla", kv_budget=0.5), progress=False)
+    convert(str(src), lossless, ConvertOptions.of(method="lossless"), progress=False)
+    convert(str(src), small, ConvertOptions.of(method="mha2mla", kv_budget=0.5), progress=False)
     return {"src": src, "lossless": lossless, "small": small}
 
 

@@ -39,7 +39,7 @@ def mla(tmp_path_factory):
     root = tmp_path_factory.mktemp("hard")
     make_tiny_model("llama", root / "src")
     save_word_tokenizer(root / "src")
-    convert(str(root / "src"), root / "mla", ConvertOptions(method="lossless"), progress=False)
+    convert(str(root / "src"), root / "mla", ConvertOptions.of(method="lossless"), progress=False)
     rng = random.Random(0)
     (root / "train.txt").write_text("\n\n".join(" ".join(f"w{rng.randrange(96)}" for _ in range(80)) for _ in range(40)))
     return root
@@ -386,8 +386,8 @@ def test_finetune_output_dir_empty_or_earlier_run_or_force(mla, tmp_path, cli):
     (["--method", "transmla", "--kv-budget", "1.5"], "between 0 and 1"),
     (["--method", "mha2mla", "--kv-budget", "1"], "between 0 and 1"),
     (["--method", "transmla", "--kv-budget", "0"], "between 0 and 1"),
-    (["--method", "lossless", "--kv-budget", "0.25"], "--kv-budget does not apply to --method lossless"),
-    (["--method", "lossless", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to --method lossless"),
+    (["--method", "lossless", "--kv-budget", "0.25"], "--kv-budget does not apply to method lossless"),
+    (["--method", "lossless", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to method lossless"),
 ])
 def test_meaningless_cache_settings_are_errors(mla, tmp_path, cli, args, needle):
     code, _, err = cli("convert", mla / "src", tmp_path / "out", *args)

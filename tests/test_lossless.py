@@ -17,7 +17,7 @@ from transmla.convert.options import ConvertOptions
 def test_lossless_logits_equal_source(tiny_factory, tmp_path, family, bias):
     source, path = tiny_factory(family, bias=bias)
     out = tmp_path / "mla"
-    result = convert(str(path), out, ConvertOptions(method="lossless"), progress=False)
+    result = convert(str(path), out, ConvertOptions.of(method="lossless"), progress=False)
     assert result.kv_elements_per_token_per_layer == result.source_kv_elements_per_token_per_layer == 2 * 2 * 8
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(model).__name__.startswith("MLA")
@@ -30,7 +30,7 @@ def test_lossless_logits_equal_source(tiny_factory, tmp_path, family, bias):
 
 def test_lossless_with_mha_source(tiny_factory, tmp_path):
     source, path = tiny_factory("llama", num_key_value_heads=6)
-    convert(str(path), tmp_path / "mla", ConvertOptions(), progress=False)
+    convert(str(path), tmp_path / "mla", ConvertOptions.of(), progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", dtype=torch.float32).eval()
     ids = torch.randint(0, 97, (1, 11))
     with torch.no_grad():
@@ -40,7 +40,7 @@ def test_lossless_with_mha_source(tiny_factory, tmp_path):
 def test_sharded_output_and_dtype(tiny_factory, tmp_path):
     _, path = tiny_factory("llama")
     out = tmp_path / "mla"
-    result = convert(str(path), out, ConvertOptions(max_shard_size="20KB", dtype="bf16"), progress=False)
+    result = convert(str(path), out, ConvertOptions.of(max_shard_size="20KB", dtype="bf16"), progress=False)
     assert len(result.files) > 2
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) | {"model.safetensors.index.json"} == set(result.files)
@@ -51,16 +51,22 @@ def test_sharded_output_and_dtype(tiny_factory, tmp_path):
 
 def test_failed_conversion_leaves_nothing(tiny_factory, tmp_path, monkeypatch):
     _, path = tiny_factory("llama")
-    from transmla.convert import methods
+    from transmla.convert import registry
+    from transmla.convert.lossless.method import Lossless
 
-    def broken(source_dir, config, options, progress):
-        def layers():
-            yield from ()
-            raise RuntimeError("boom in the middle")
+    class Broken(Lossless):
+        name = "broken"
 
-        return layers(), {"name": "broken"}
+        def convert_layer(self, plan, source, stats):
+            if self.done:
+                raise RuntimeError("boom in the middle")
+            self.done = True
+            return super().convert_layer(plan, source, stats)
 
-    monkeypatch.setitem(methods.METHODS, "broken", broken)
+    broken = Broken()
+    broken.done = False
+    monkeypatch.setitem(registry.METHODS, "broken", broken)
     with pytest.raises(RuntimeError, match="boom"):
-        convert(str(path), tmp_path / "out", ConvertOptions(method="broken"), progress=False)
+        convert(str(path), tmp_path / "out", ConvertOptions.of(method="broken"), progress=False)
+    assert broken.done  # one layer was written before the failure
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-src"]

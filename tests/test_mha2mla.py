@@ -19,11 +19,11 @@ from transmla.convert.api import convert
 from transmla.convert.calibrate import _mla_attention, calibrated_layers
 from transmla.convert.layers import SourceAttention
 from transmla.convert.lowrank import with_bias_column
-from transmla.convert.mha2mla_budget import default_rope_pairs, mha2mla_budget, resolve_shape
-from transmla.convert.mha2mla_method import MHA2MLASettings, mha2mla_layer, mha2mla_layers
-from transmla.convert.mha_copy import make_mha_copy, repeat_kv_heads
+from transmla.convert.mha2mla.budget import default_rope_pairs, mha2mla_budget, resolve_shape
+from transmla.convert.mha2mla.method import MHA2MLASettings, mha2mla_layer
+from transmla.convert.mha2mla.mha_copy import make_mha_copy, repeat_kv_heads
 from transmla.convert.options import ConvertOptions
-from transmla.convert.partial_rope import (
+from transmla.convert.mha2mla.partial_rope import (
     high_pairs,
     key_latent_dims,
     low_pairs,
@@ -34,9 +34,11 @@ from transmla.convert.partial_rope import (
     two_norm_scores,
     uniform_pairs,
 )
-from transmla.convert.pipeline import source_layers
+from transmla.convert.layers import source_layers
+from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
+from transmla.convert.registry import get_method
 from transmla.convert.replicate import replicate
-from transmla.convert.svd import compress_latent, factor_latent, share_rank
+from transmla.convert.mha2mla.svd import compress_latent, factor_latent, share_rank
 from transmla.families import AttentionGeometry, attention_geometry
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -259,10 +261,10 @@ def test_budget_derives_the_rank():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(rope_pairs=33, kv_lora_rank=8), "--rope-pairs must be a whole number of pairs in 0..32"),
-        (dict(rope_pairs=-1, kv_lora_rank=8), "--rope-pairs"),
-        (dict(rope_pairs=4, kv_lora_rank=361), r"--kv-lora-rank must be in 1..360"),
-        (dict(rope_pairs=4, kv_lora_rank=0), r"--kv-lora-rank must be in 1..360"),
+        (dict(rope_pairs=33, kv_lora_rank=8), "rope_pairs must be a whole number of pairs in 0..32"),
+        (dict(rope_pairs=-1, kv_lora_rank=8), "rope_pairs"),
+        (dict(rope_pairs=4, kv_lora_rank=361), r"kv_lora_rank must be in 1..360"),
+        (dict(rope_pairs=4, kv_lora_rank=0), r"kv_lora_rank must be in 1..360"),
         (dict(rope_pairs=4, kv_lora_rank=8, kv_budget=0.5), "either"),
         (dict(rope_pairs=4), "needs the latent size"),
     ],
@@ -280,7 +282,7 @@ def test_no_shrink_warns_and_bad_options_fail():
         warnings.simplefilter("error")
         resolve_shape(SMOL, 4, 168, None)
     shape = resolve_shape(SMOL, 4, 168, None)
-    for field, value, message in (("rope_select", "mid", "--rope-select"), ("svd", "tucker", "--svd"), ("svd_weighting", "x", "--svd-weighting")):
+    for field, value, message in (("rope_select", "mid", "rope_select must"), ("svd", "tucker", "svd must"), ("svd_weighting", "x", "svd_weighting must")):
         with pytest.raises(ValueError, match=message):
             MHA2MLASettings(shape, **{field: value})
 
@@ -288,12 +290,12 @@ def test_no_shrink_warns_and_bad_options_fail():
 def test_transmla_options_are_refused(tiny_factory):
     _, path = tiny_factory("llama")
     for opts, message in (
-        (ConvertOptions(method="mha2mla", rope_dim=8, kv_lora_rank=8), "--rope-dim"),
-        (ConvertOptions(method="mha2mla", freqfold="2", kv_lora_rank=8), "--freqfold"),
-        (ConvertOptions(method="mha2mla", q_lora_rank=8, kv_lora_rank=8), "--q-lora-rank"),
+        (dict(rope_dim=8, kv_lora_rank=8), "rope_dim does not apply to method mha2mla"),
+        (dict(freqfold="2", kv_lora_rank=8), "freqfold does not apply to method mha2mla"),
+        (dict(q_lora_rank=8, kv_lora_rank=8), "q_lora_rank does not apply to method mha2mla"),
     ):
         with pytest.raises(ValueError, match=message):
-            convert(str(path), path.parent / "out", opts, progress=False)
+            convert(str(path), path.parent / "out", ConvertOptions.of(method="mha2mla", **opts), progress=False)
 
 
 # -- whole models through real files ------------------------------------------------------------------
@@ -307,7 +309,7 @@ def test_every_pair_full_rank_reproduces_the_source(tiny_factory, tmp_path, fami
     with torch.no_grad():
         ref = model(ids).logits
     for select, svd in (("uniform", "joint"), ("low", "split")):
-        opts = ConvertOptions(method="mha2mla", rope_pairs=4, kv_lora_rank=g * 8, rope_select=select, svd=svd,
+        opts = ConvertOptions.of(method="mha2mla", rope_pairs=4, kv_lora_rank=g * 8, rope_select=select, svd=svd,
                              svd_weighting="none")  # weight SVD: no calibration, exact at full rank
         out = tmp_path / f"mla-{select}"
         with pytest.warns(UserWarning, match="does not shrink"):
@@ -326,11 +328,10 @@ def test_calibrated_conversion_compresses_and_decodes(tiny_factory, tmp_path, fa
 
     config = AutoConfig.from_pretrained(path)
     calib = _ids(seed=3, batch=4, length=32)
-    opts = ConvertOptions(method="mha2mla", rope_pairs=1, kv_budget=0.25, rope_select="2norm", svd="split", svd_weighting="activation")
-    layers, meta = mha2mla_layers(path, config, opts, progress=False, calib_ids=calib)
-    from transmla.convert.pipeline import write_mla_checkpoint
-
-    result = write_mla_checkpoint(path, config, tmp_path / "mla", layers, meta)
+    opts = ConvertOptions.of(method="mha2mla", rope_pairs=1, kv_budget=0.25, rope_select="2norm", svd="split", svd_weighting="activation")
+    layers = LayerStream(get_method("mha2mla"), path, config, opts, progress=False, calib_ids=calib)
+    result = write_mla_checkpoint(path, config, tmp_path / "mla", layers, layers.record)
+    meta = layers.record()
     assert result.kv_elements_per_token_per_layer == 8  # 32 * 0.25: R = 4 + 2 heads x 1 pair x 2
     assert len(meta["layers"]) == 2 and all(info["rank_k"] + info["rank_v"] == 4 for info in meta["layers"])
     mla = _load(tmp_path / "mla")
@@ -356,7 +357,7 @@ def test_method_layer_matches_settings(tiny_factory):
     _, path = tiny_factory("qwen2")
     config, src = _layer0(path)
     shape = resolve_shape(attention_geometry(config), 2, 10, None)
-    layer, info = mha2mla_layer(src, MHA2MLASettings(shape, "uniform", "split"))
+    layer, info = mha2mla_layer(src, MHA2MLASettings(shape, "uniform", "split", "none"))
     assert info["pairs"] == [[0, 2], [0, 2]] and info["rank_k"] + info["rank_v"] == 10
     assert layer.kv_a_proj.shape == (10 + 8, 48) and layer.kv_b_proj.shape == (6 * (4 + 8), 10)
     assert layer.kv_b_bias is not None  # weight SVD keeps the source's k/v biases exactly, after the up-projection
@@ -384,7 +385,7 @@ def test_mha_copy_is_the_same_function(tiny_factory, tmp_path, family, bias):
         ref = model(ids).logits
         torch.testing.assert_close(mha(ids).logits, ref, **TOL)
     # and MHA2MLA of the MHA copy, every pair kept at full rank, is the GQA model too
-    opts = ConvertOptions(method="mha2mla", rope_pairs=4, kv_lora_rank=6 * 8, svd="joint", svd_weighting="none")
+    opts = ConvertOptions.of(method="mha2mla", rope_pairs=4, kv_lora_rank=6 * 8, svd="joint", svd_weighting="none")
     with pytest.warns(UserWarning, match="does not shrink"):
         convert(str(out), tmp_path / "mla", opts, progress=False)
     with torch.no_grad():
@@ -397,7 +398,7 @@ def test_mha_copy_with_a_fixed_selection_is_the_gqa_conversion(tiny_factory, tmp
     """Repeated rows span the same latent: MHA copy at rank R == GQA at rank R (the benchmark reuses this)."""
     from transformers import AutoConfig
 
-    from transmla.convert.calibrate import assemble_model
+    from transmla.convert.assemble import assemble_model
 
     model, path = tiny_factory("llama", bias=True)
     mha = make_mha_copy(path, tmp_path / "mha")
@@ -407,8 +408,8 @@ def test_mha_copy_with_a_fixed_selection_is_the_gqa_conversion(tiny_factory, tmp
         logits = []
         for p in (path, mha):
             config = AutoConfig.from_pretrained(p)
-            opts = ConvertOptions(method="mha2mla", rope_pairs=2, kv_lora_rank=5, rope_select="low", svd=svd, svd_weighting=weighting)
-            layers, meta = mha2mla_layers(p, config, opts, progress=False, calib_ids=calib)
+            opts = ConvertOptions.of(method="mha2mla", rope_pairs=2, kv_lora_rank=5, rope_select="low", svd=svd, svd_weighting=weighting)
+            layers = LayerStream(get_method("mha2mla"), p, config, opts, progress=False, calib_ids=calib)
             with torch.no_grad():
-                logits.append(assemble_model(p, config, list(layers), meta)(ids).logits)
+                logits.append(assemble_model(p, config, list(layers), layers.record())(ids).logits)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

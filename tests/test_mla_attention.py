@@ -10,9 +10,9 @@ from transmla.mla.attention import MLAAttention
 from transmla.mla.cache import cache_elements
 from transmla.mla.config import MLAConfig
 from transmla.mla.model import build_mla_model, mla_config_for, set_decode_mode
-from transmla.convert.calibrate import assemble_model
+from transmla.convert.assemble import assemble_model
 from transmla.convert.replicate import replicate
-from transmla.convert.pipeline import source_layers
+from transmla.convert.layers import source_layers
 from transformers import AutoConfig
 
 

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
     make_tiny_model("llama", src)
     save_word_tokenizer(src)
     mla = root / "mla"
-    convert(str(src), mla, ConvertOptions(method="lossless"), progress=False)
+    convert(str(src), mla, ConvertOptions.of(method="lossless"), progress=False)
     g = torch.Generator().manual_seed(0)
     words = torch.randint(0, 96, (2400,), generator=g).tolist()
     text = root / "text.txt"
@@ -181,7 +181,7 @@ def test_measured_cache_equals_formula(tiny, tmp_path, dtype):
     from transmla.eval.measured_cache import measure_cache
 
     small = tmp_path / "mha2mla"  # a cache that really shrinks: R + 2*g*P = 16 of 32 elements
-    convert(str(tiny["src"]), small, ConvertOptions(method="mha2mla", kv_budget=0.5), progress=False)
+    convert(str(tiny["src"]), small, ConvertOptions.of(method="mha2mla", kv_budget=0.5), progress=False)
     prompt = torch.arange(3, 14)  # [11]
     expect = {"src": 32, "mla": 32, "mha2mla": 16}
     for name, path in (("src", tiny["src"]), ("mla", tiny["mla"]), ("mha2mla", small)):
@@ -259,13 +259,14 @@ def test_sweep_with_a_fake_method(tiny, tmp_path):
     """The sweep machinery alone: any convert function that writes a model folder."""
     from transmla.convert.api import convert
     from transmla.convert.options import ConvertOptions
-    from transmla.eval.sweep import EvalSettings, sweep
+    from transmla.eval.settings import EvalSettings
+    from transmla.sweep import sweep
 
     seen = []
 
     def fake_convert(source, output, options, progress=True):
-        seen.append((options.method, options.kv_budget, options.force))
-        return convert(source, output, ConvertOptions(method="mha2mla", kv_budget=options.kv_budget, force=True),
+        seen.append((options.method, options.settings.kv_budget, options.output.force))
+        return convert(source, output, ConvertOptions.of(method="mha2mla", kv_budget=options.settings.kv_budget, force=True),
                        progress=False)
 
     settings = EvalSettings(data=str(tiny["text"]), seq_len=SEQ, max_windows=2, progress=False, measure_tokens=3)

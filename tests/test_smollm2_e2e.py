@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def lossless_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "lossless"
-    convert("smollm2-135m", out, ConvertOptions(method="lossless"), progress=False)
+    convert("smollm2-135m", out, ConvertOptions.of(method="lossless"), progress=False)
     return out
 
 

@@ -15,12 +15,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import transmla  # noqa: F401  (registers the MLA models)
-from transmla.convert.bkv import augmented, bkv_alpha, joint_pca
-from transmla.convert.budget import transmla_budget, validate_transmla_shape
-from transmla.convert.calibrate import _mla_attention, assemble_model, collect_layer_stats
-from transmla.convert.options import ConvertOptions
-from transmla.convert.pipeline import source_layers, write_mla_checkpoint
-from transmla.convert.rope import (
+from transmla.convert.transmla.bkv import augmented, bkv_alpha, joint_pca
+from transmla.convert.transmla.budget import transmla_budget, validate_transmla_shape
+from transmla.convert.assemble import assemble_model
+from transmla.convert.calibrate import _mla_attention, collect_layer_stats
+from transmla.convert.options import CalibrationOptions, ConvertOptions
+from transmla.convert.layers import source_layers
+from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
+from transmla.convert.transmla.rorope import (
     auto_fold,
     fold_candidates,
     kept_frequencies,
@@ -29,16 +31,19 @@ from transmla.convert.rope import (
     rorope,
     select_components,
 )
-from transmla.convert.transmla_method import (
+from transmla.convert.transmla.method import (
     LayerMoments,
     TransMLAPlan,
     choose_rope,
     convert_layer,
+    TransMLAOptions,
     plan_from_options,
     published_plan,
-    stage_perplexities,
-    transmla_layers,
+    stage_layers,
 )
+from transmla.convert.registry import get_method
+from transmla.families import attention_geometry
+from transmla.eval.stages import stage_perplexities
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 FAMILIES = [("llama", {}), ("qwen2", {"bias": True}), ("mistral", {}), ("mixtral", {})]
@@ -52,11 +57,11 @@ def _ids(seed=0, batch=2, length=24, vocab=97):
 def _convert_files(path, out, plan, propagate="original"):
     """The production path: read the source from disk, calibrate layer by layer, write, reload."""
     config = AutoConfig.from_pretrained(path)
-    options = ConvertOptions(method="transmla", propagate=propagate, device="cpu")
-    layers, meta = transmla_layers(path, config, options, progress=False, calib_ids=_ids(1, 4, 32), plan=plan)
-    result = write_mla_checkpoint(path, config, out, layers, meta, progress=False)
+    options = ConvertOptions.of(method="transmla", propagate=propagate, device="cpu")
+    layers = LayerStream(get_method("transmla"), path, config, options, progress=False, calib_ids=_ids(1, 4, 32), plan=plan)
+    result = write_mla_checkpoint(path, config, out, layers, layers.record, progress=False)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    return model, result, meta
+    return model, result, layers.record()
 
 
 def _stats(path):
@@ -154,7 +159,7 @@ def test_partial_rope_layer_matches_definition(tiny_factory, fold, rope_dim, sel
     src, gram = srcs[1], stats[1].gram
     plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - rope_dim, rope_dim=rope_dim, freqfold=fold, selection=selection)
     choice, _ = choose_rope(src, LayerMoments.of(src, gram), plan)
-    _, _, staged = convert_layer(src, gram, plan, stages=True)
+    staged = stage_layers(src, gram, plan)
     attn = _mla_attention(config, staged["freqfold"], "cpu")
     x = torch.randn(1, 12, config.hidden_size, generator=torch.Generator().manual_seed(4))
     ours = attn(x, position_ids=torch.arange(12)[None])[0][0].double()
@@ -171,7 +176,8 @@ def test_joint_pca_full_rank_equals_partial_rope(tiny_factory):
         plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=2, centre=centre, pca_metric=metric)
         final, partial = [], []
         for src, st in zip(srcs, stats):
-            layer, info, staged = convert_layer(src, st.gram, plan, stages=True)
+            layer, info = convert_layer(src, st.gram, plan)
+            staged = stage_layers(src, st.gram, plan)
             final.append(layer)
             partial.append(staged["freqfold"])
             assert info["pca_energy_kept"] == pytest.approx(1.0)
@@ -186,8 +192,8 @@ def test_joint_pca_full_rank_equals_partial_rope(tiny_factory):
 def test_attention_metric_lowers_the_error_it_weighs(tiny_factory):
     """At equal rank the attention-weighted PCA has a smaller expected squared score + output
     error (the metric's objective, the key block BKV-scaled) than the plain PCA of the activations."""
-    from transmla.convert.bkv import attention_metric
-    from transmla.convert.rope import split_rope
+    from transmla.convert.transmla.bkv import attention_metric
+    from transmla.convert.transmla.rorope import split_rope
 
     _, path = tiny_factory("llama")
     _, srcs, stats = _stats(path)
@@ -293,7 +299,7 @@ def test_stage_perplexities(tiny_factory):
     plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - 4, rope_dim=4, freqfold=4)
     staged = {}
     for s, st in zip(srcs, stats):
-        for name, layer in convert_layer(s, st.gram, plan, stages=True)[2].items():
+        for name, layer in stage_layers(s, st.gram, plan).items():
             staged.setdefault(name, []).append(layer)
     ppl = stage_perplexities(path, config, staged, _ids(7, 1, 64).reshape(-1), windows=2, seq_len=32)
     assert list(ppl) == ["source", "rorope", "freqfold", "bkv_pca"] and all(math.isfinite(v) for v in ppl.values())
@@ -330,34 +336,35 @@ def test_validation_errors_and_warning():
 def test_plan_from_options(tiny_factory):
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
-    opts = lambda **kw: ConvertOptions(method="transmla", **kw)  # noqa: E731
-    plan = plan_from_options(opts(kv_budget=0.5), config)
+    geo = attention_geometry(config)
+    opts = TransMLAOptions
+    plan = plan_from_options(opts(kv_budget=0.5), geo)
     assert (plan.kv_lora_rank, plan.rope_dim) == (12, 4)  # r: whole pairs within a third of 16
-    with pytest.raises(ValueError, match="either --kv-budget"):
-        plan_from_options(opts(kv_budget=0.5, kv_lora_rank=4), config)
-    with pytest.raises(ValueError, match="needs --kv-lora-rank"):
-        plan_from_options(opts(kv_lora_rank=4), config)
+    with pytest.raises(ValueError, match="either kv_budget"):
+        plan_from_options(opts(kv_budget=0.5, kv_lora_rank=4), geo)
+    with pytest.raises(ValueError, match="needs kv_lora_rank"):
+        plan_from_options(opts(kv_lora_rank=4), geo)
     with pytest.raises(ValueError, match="an integer, 'auto' or 'logit'"):
-        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="x"), config)
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="x"), geo)
     with pytest.raises(ValueError, match="must divide"):
-        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="3"), config)
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="3"), geo)
     # score selection (the default) places any number of rope pairs in any fold
-    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="1"), config).freqfold == 1
-    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="logit"), config).freqfold == "logit"
-    with pytest.raises(ValueError, match="q-lora-rank"):
-        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, q_lora_rank=0), config)
-    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="Auto"), config).freqfold == "auto"
+    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="1"), geo).freqfold == 1
+    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="logit"), geo).freqfold == "logit"
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        plan_from_options(opts(kv_lora_rank=8, rope_dim=4, q_lora_rank=0), geo)
+    assert plan_from_options(opts(kv_lora_rank=8, rope_dim=4, freqfold="Auto"), geo).freqfold == "auto"
     assert published_plan(8, 4, 2).selection == "uniform" and published_plan(8, 4, 2).pca_metric == "activation"
 
 
 def test_calibration_size_defaults_per_method():
-    from transmla.convert.mha2mla_method import DEFAULT_CALIBRATION as MHA2MLA_CALIB
-    from transmla.convert.transmla_method import DEFAULT_CALIBRATION as TRANSMLA_CALIB
+    from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION as MHA2MLA_CALIB
+    from transmla.convert.transmla.method import DEFAULT_CALIBRATION as TRANSMLA_CALIB
 
-    assert ConvertOptions().calibration_size(TRANSMLA_CALIB) == TRANSMLA_CALIB == (2048, 16)
-    assert ConvertOptions().calibration_size(MHA2MLA_CALIB) == MHA2MLA_CALIB == (2048, 16)
-    assert ConvertOptions(calib_samples=16).calibration_size(TRANSMLA_CALIB) == (16, 16)
-    assert ConvertOptions(calib_seq_len=32).calibration_size(MHA2MLA_CALIB) == (2048, 32)
+    assert CalibrationOptions().size(TRANSMLA_CALIB) == TRANSMLA_CALIB == (2048, 16)
+    assert CalibrationOptions().size(MHA2MLA_CALIB) == MHA2MLA_CALIB == (2048, 16)
+    assert CalibrationOptions(calib_samples=16).size(TRANSMLA_CALIB) == (16, 16)
+    assert CalibrationOptions(calib_seq_len=32).size(MHA2MLA_CALIB) == (2048, 32)
 
 
 def test_auto_fold_is_head_dim_over_rope_dim():

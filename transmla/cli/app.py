@@ -18,6 +18,7 @@ from .evaluate import evaluate
 from .export import export
 from .generate import generate
 from .inspect import inspect
+from .options import flag_message, option_flags
 from .signals import interrupt_on_signals
 
 app = typer.Typer(
@@ -117,7 +118,7 @@ def _run(argv: list[str] | None) -> int:
     except Exception as e:  # one line for users; the traceback behind TRANSMLA_DEBUG
         if os.environ.get("TRANSMLA_DEBUG"):
             raise
-        print(f"error: {_first_line(e)}", file=sys.stderr)
+        print(f"error: {flag_message(_first_line(e), option_flags())}", file=sys.stderr)  # the library names settings by field
         return 1
     return code if isinstance(code, int) else 0
 

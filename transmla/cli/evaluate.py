@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -9,9 +10,11 @@ import typer
 from rich.table import Table
 
 from ..eval.report import compare_rows, write_compare_report
-from ..eval.sweep import EvalSettings, compare_report, evaluate_model
+from ..eval.evaluate import compare_report, evaluate_model
+from ..eval.settings import EvalSettings
 from ..progress import stderr_console
-from .common import JsonFlag, emit, pick_device, pick_dtype, stdout
+from .common import JsonFlag, emit, stdout
+from .options import schema_flags, with_flags
 
 Opt = typer.Option
 
@@ -19,33 +22,16 @@ Opt = typer.Option
 def evaluate(
     model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, 'smollm2-135m', or a converted model.")],
     compare: Annotated[str | None, Opt(help="Also evaluate this (source) model under the same protocol; one table.")] = None,
-    data: Annotated[str, Opt(help="wiki | lee (built-in evaluation parts), a .txt/.jsonl PATH, or a dataset name[:config[:split]].")] = "wiki",
-    seq_len: Annotated[int, Opt(help="Tokens per window.")] = 512,
-    max_windows: Annotated[int | None, Opt(help="Evaluate at most this many windows.")] = None,
-    stride: Annotated[int | None, Opt(help="Sliding-window protocol with this stride (default: non-overlapping).")] = None,
-    text_field: Annotated[str, Opt(help="Field holding the text in JSONL / datasets.")] = "text",
-    context: Annotated[int, Opt(help="Report the KV cache size at this many tokens.")] = 8192,
     report: Annotated[Path | None, Opt(help="Write report.json, report.md and PNG plots into this folder.")] = None,
-    measure_cache: Annotated[int | None, Opt(
-        "--measure-cache", help="Generate this many tokens and measure the cache bytes (default: 64 with --compare/--report, else 0)."
-    )] = None,
-    batch_size: Annotated[int, Opt(help="Windows per forward pass.")] = 4,
-    dtype: Annotated[str, Opt(help="fp32 | bf16 | fp16.")] = "fp32",
-    device: Annotated[str, Opt(help="auto | cpu | cuda.")] = "auto",
+    *,
     as_json: JsonFlag = False,
+    settings: dict,
 ) -> None:
     """Token-level perplexity, exp(mean NLL), over windows of the evaluation text, and the KV cache."""
-    pick_dtype(dtype)  # fail early on a bad name
-    if context < 1:
-        raise ValueError(f"--context must be positive, got {context}")
-    if measure_cache is None:
-        measure_cache = 64 if (compare or report) else 0
-    if measure_cache < 0:
-        raise ValueError(f"--measure-cache must be 0 or more, got {measure_cache}")
-    settings = EvalSettings(
-        data=data, text_field=text_field, seq_len=seq_len, max_windows=max_windows, stride=stride,
-        batch_size=batch_size, dtype=dtype, device=pick_device(device), context=context, measure_tokens=measure_cache,
-    )
+    if settings["measure_tokens"] is None:
+        settings["measure_tokens"] = 64 if (compare or report) else 0
+    settings = EvalSettings(**settings)
+    data, context, measure_cache = settings.data, settings.context, settings.measure_tokens
     evaluated = []
     if compare:
         evaluated.append(evaluate_model(compare, settings, role="source"))
@@ -88,3 +74,12 @@ def evaluate(
         emit({k: v for k, v in flat.items() if k != "report_files"}, False, "perplexity")
     if files:
         stderr_console.print(f"[dim]report written to {report}: {', '.join(Path(p).name for p in files.values())}[/dim]")
+
+
+# The protocol's flags; --measure-cache defaults to 64 with --compare/--report, else 0.
+EVAL_FLAGS = [
+    dataclasses.replace(f, type=int | None, default=None, help=f.help.replace(
+        "(0: skip)", "(default: 64 with --compare/--report, else 0)")) if f.name == "measure_tokens" else f
+    for f in schema_flags(EvalSettings)
+]
+evaluate = with_flags(evaluate, EVAL_FLAGS)

@@ -8,10 +8,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..eval.sweep import EvalSettings, parse_budgets
-from ..eval.sweep import sweep as run_sweep
+from ..convert.options import CalibrationOptions
+from ..convert.registry import METHODS
+from ..eval.settings import EvalSettings
 from ..progress import stderr_console
-from .common import JsonFlag, emit, pick_device, pick_dtype, stdout
+from ..sweep import SHAPE_SETTINGS, parse_budgets
+from ..sweep import sweep as run_sweep
+from .common import JsonFlag, emit, stdout
+from .options import given, merge_flags, schema_flags, with_flags
 
 Opt = typer.Option
 
@@ -21,38 +25,16 @@ def sweep(
     out: Annotated[Path, Opt("--out", help="Folder for sweep.json, sweep.md, sweep.png (and models/ with --keep).")],
     method: Annotated[str, Opt(help="transmla | mha2mla, or both comma-separated (one line each).")] = "transmla",
     budgets: Annotated[str, Opt(help="Fractions of the source KV cache, comma-separated.")] = "0.5,0.25,0.125",
-    data: Annotated[str, Opt(help="Evaluation text: wiki | lee | a .txt/.jsonl PATH | a dataset name.")] = "wiki",
-    text_field: Annotated[str, Opt(help="Field holding the text in JSONL / datasets.")] = "text",
-    seq_len: Annotated[int, Opt(help="Tokens per window.")] = 512,
-    max_windows: Annotated[int | None, Opt(help="Evaluate at most this many windows.")] = None,
-    stride: Annotated[int | None, Opt(help="Sliding-window protocol with this stride (default: non-overlapping).")] = None,
-    context: Annotated[int, Opt(help="Report the KV cache size at this many tokens.")] = 8192,
-    measure_cache: Annotated[int, Opt("--measure-cache", help="Generate this many tokens per model and measure the cache (0: skip).")] = 0,
-    calib: Annotated[str | None, Opt(help="Calibration text (default: the convert default, wiki).")] = None,
-    calib_samples: Annotated[int | None, Opt(help="Calibration sequences.")] = None,
-    calib_seq_len: Annotated[int | None, Opt(help="Tokens per calibration sequence.")] = None,
-    freqfold: Annotated[str | None, Opt(help="transmla: frequencies folded per PCA group, or 'auto' (the sweep default).")] = None,
-    rope_select: Annotated[str | None, Opt(help="mha2mla: high | low | uniform | 2norm.")] = None,
-    svd_weighting: Annotated[str | None, Opt(help="mha2mla: none | activation.")] = None,
     keep: Annotated[bool, Opt("--keep", help="Keep the converted models under OUT/models/.")] = False,
-    batch_size: Annotated[int, Opt(help="Windows per forward pass.")] = 4,
-    dtype: Annotated[str, Opt(help="fp32 | bf16 | fp16, for evaluation.")] = "fp32",
-    device: Annotated[str, Opt(help="auto | cpu | cuda.")] = "auto",
+    *,
     as_json: JsonFlag = False,
+    settings: dict,
 ) -> None:
     """Convert SOURCE at each KV budget, evaluate every model under one protocol, plot perplexity vs cache."""
-    pick_dtype(dtype)
     methods = [m.strip() for m in method.split(",") if m.strip()]
-    settings = EvalSettings(
-        data=data, text_field=text_field, seq_len=seq_len, max_windows=max_windows, stride=stride,
-        batch_size=batch_size, dtype=dtype, device=pick_device(device), context=context, measure_tokens=measure_cache,
-    )
-    overrides = {
-        "calib": calib, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len, "freqfold": freqfold, "rope_select": rope_select,
-        "svd_weighting": svd_weighting, "device": device,
-    }
-    result = run_sweep(source, methods, parse_budgets(budgets), out, settings,
-                       {k: v for k, v in overrides.items() if v is not None}, keep=keep)
+    eval_settings = EvalSettings(**{k: settings[k] for k in EVAL_FIELDS})
+    overrides = given({k: v for k, v in settings.items() if k not in EVAL_FIELDS} | {"device": settings["device"]})
+    result = run_sweep(source, methods, parse_budgets(budgets), out, eval_settings, overrides, keep=keep)
     if as_json:
         emit(result, True, "")
         return
@@ -69,3 +51,13 @@ def sweep(
                       f"x{r['perplexity'] / src['perplexity']:.2f}")
     stdout.print(table)
     stderr_console.print(f"[dim]written: {out / 'sweep.json'}, {out / 'sweep.md'}, {out / 'sweep.png'}[/dim]")
+
+
+EVAL_FIELDS = {f.name for f in schema_flags(EvalSettings)}
+# Each method's own settings (its shape comes from --budgets) and the calibration, all "not given" by default.
+SWEEP_FLAGS = merge_flags(
+    schema_flags(EvalSettings),
+    *(schema_flags(m.Options, unset_default=True, exclude=SHAPE_SETTINGS) for m in METHODS.values()),
+    schema_flags(CalibrationOptions, unset_default=True, exclude={"device"}),
+)
+sweep = with_flags(sweep, SWEEP_FLAGS)

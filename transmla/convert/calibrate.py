@@ -11,7 +11,7 @@ accumulated token by token when asked for.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +22,12 @@ from ..checkpoint.finite import require_finite
 from ..checkpoint.reader import SafetensorsReader
 from ..families import attention_geometry, family_for, rope_inv_freq
 from ..mla.attention import MLAAttention
-from ..mla.model import build_mla_model, mla_config_for
 from ..progress import progress_bar
-from .layers import MLALayer, SourceAttention
+from .layers import MLALayer, SourceAttention, read_source_attention
 from .lowrank import with_bias_column
-from .pipeline import _mla_config, read_source_attention
+from .assemble import mla_config
+from .options import PROPAGATIONS
 
-PROPAGATIONS = ("original", "converted")
 
 
 @dataclass
@@ -97,7 +96,7 @@ def _load_decoder_layer(reader: SafetensorsReader, config, layer: int, device):
 
 def _mla_attention(config, layer: MLALayer, device) -> MLAAttention:
     """A standalone MLAAttention holding one converted layer (its frequencies at index 0)."""
-    mla = _mla_config(config, layer, [layer.rope_inv_freq.tolist()], {})
+    mla = mla_config(config, layer, [layer.rope_inv_freq.tolist()], {})
     attn = MLAAttention(mla, 0)
     attn.load_state_dict({k: v.float() for k, v in layer.state_dict("").items()}, strict=True)
     return attn.to(device).eval()
@@ -170,27 +169,3 @@ def collect_layer_stats(
     ):
         pass
     return stats
-
-
-def assemble_model(source_dir: Path, config, layers: Sequence[MLALayer], method: dict | None = None, dtype=torch.float32):
-    """An in-memory MLA model from converted layers plus the source's other weights (no files)."""
-    family = family_for(config)
-    mla = _mla_config(config, layers[0], [layer.rope_inv_freq.tolist() for layer in layers], method or {})
-    model = build_mla_model(mla_config_for(config, mla))
-    geo = attention_geometry(config)
-    state: dict[str, torch.Tensor] = {}
-    with SafetensorsReader(source_dir) as reader:
-        keys = reader.keys()
-        for i in range(geo.num_layers):
-            root, attn = family.layer_root.format(i=i), family.attention_prefix(i)
-            own = {k[len(root):]: reader.get(k) for k in keys if k.startswith(root) and not k.startswith(attn)}
-            state.update({root + k: v for k, v in family.layer_state_dict(own).items()})
-            state.update(layers[i].state_dict(attn))
-        state.update({k: reader.get(k) for k in keys if not k.startswith(family.layer_root.split("{")[0])})
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
-    if missing or unexpected:
-        raise ValueError(f"assembling the MLA model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.to(dtype).eval()

@@ -1,12 +1,16 @@
-"""The tensors of one attention layer, before (source MHA/GQA) and after (MLA) conversion."""
+"""The tensors of one attention layer, before (source MHA/GQA) and after (MLA) conversion, and
+the source layers read from a checkpoint one at a time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ..families import AttentionGeometry
+from ..checkpoint.reader import SafetensorsReader
+from ..families import AttentionGeometry, attention_geometry, family_for, rope_inv_freq
 
 
 @dataclass
@@ -80,3 +84,20 @@ class MLALayer:
         else:
             names.update({"q_proj.weight": self.q_proj, "q_proj.bias": self.q_bias})
         return {prefix + k: v for k, v in names.items() if v is not None}
+
+
+def read_source_attention(reader: SafetensorsReader, config, layer: int) -> SourceAttention:
+    family = family_for(config)
+    names = family.attention_names(config, layer)
+    missing = [n for n in names.values() if n not in reader]
+    if missing:
+        raise KeyError(f"source checkpoint lacks {missing[0]} (layer {layer})")
+    inv_freq, _ = rope_inv_freq(config)
+    return SourceAttention.from_tensors(attention_geometry(config), inv_freq, {r: reader.get(n) for r, n in names.items()})
+
+
+def source_layers(source_dir: Path, config) -> Iterator[SourceAttention]:
+    """Each layer's source attention, read one layer at a time."""
+    with SafetensorsReader(source_dir) as reader:
+        for i in range(attention_geometry(config).num_layers):
+            yield read_source_attention(reader, config, i)

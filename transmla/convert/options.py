@@ -1,50 +1,158 @@
-"""Every conversion setting, validated once; the CLI fills it, the methods read it."""
+"""Conversion settings: one schema per concern, each validated in its dataclass.
+
+`CalibrationOptions` and `OutputOptions` are common to every method; a method's own settings are
+its `Options` dataclass (registry.py). `ConvertOptions` holds one of each. The CLI flags, the
+recipe keys and the sweep overrides are these dataclasses' fields (cli/options.py derives the
+flags from their help metadata, schema.option). Errors name fields
+(`kv_lora_rank`), never flags: only cli/ maps them to flag names.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+import typing
+from typing import Any
+
+from ..dtypes import pick_device, torch_dtype
+from ..schema import option
+
+
+PROPAGATIONS = ("original", "converted")
+FORMATS = ("native", "deepseek")
+
+
+def check_kv_budget(kv_budget: float | None) -> None:
+    """A budget that would give no saving is an error (the methods' Options call this)."""
+    if kv_budget is not None and not 0 < kv_budget < 1:
+        raise ValueError(
+            f"kv_budget is the fraction of the source's KV cache to keep, between 0 and 1 (exclusive), "
+            f"got {kv_budget}; method lossless keeps all of it"
+        )
 
 
 @dataclass
-class ConvertOptions:
-    method: str = "lossless"  # lossless | transmla | mha2mla
-    # Cache shape. transmla: R + r; mha2mla: R + n_kv * 2P. --kv-budget derives them.
-    kv_lora_rank: int | None = None  # R (d_c)
-    rope_dim: int | None = None  # r (d_r), transmla
-    rope_pairs: int | None = None  # P per KV head, mha2mla
-    kv_budget: float | None = None  # fraction of the source cache
-    freqfold: str = "auto"  # an integer, "auto" (F = d/r) or "logit" (transmla)
-    rope_select: str = "high"  # high | low | uniform | 2norm (mha2mla)
-    svd: str = "joint"  # joint | split (mha2mla)
-    svd_weighting: str = "activation"  # activation (ours: whiten by the input covariance) | none (published)
-    q_lora_rank: int | None = None
-    shared_rope: bool = False  # one rope frequency grid in every layer (exportable to DeepSeek/GGUF)
-    format: str = "native"  # native | deepseek (convert, then export; implies shared_rope)
-    # Calibration.
-    calib: str = "wiki"
-    calib_samples: int | None = None  # None: the method's default (calibration_size)
-    calib_seq_len: int | None = None
-    seed: int = 0
-    propagate: str | None = None  # later layers calibrated on original | converted earlier layers (None: the method's default)
-    eval_data: str | None = None  # print perplexity after each stage
-    # Output.
-    dtype: str | None = None  # fp32 | bf16 | fp16 (default: the source's)
-    device: str = "auto"
-    max_shard_size: str = "5GB"
-    force: bool = False
+class CalibrationOptions:
+    calib: str = option("wiki", "Calibration text: wiki | lee | PATH | dataset name.")
+    calib_samples: int | None = option(
+        None, "Calibration sequences (default: the method's own, 2048 for transmla and mha2mla)."
+    )
+    calib_seq_len: int | None = option(
+        None, "Tokens per calibration sequence (default: the method's own, 16 for transmla and mha2mla; "
+        "many short sequences measured better than few long ones)."
+    )
+    seed: int = option(0, "Seed for picking calibration sequences.")
+    propagate: str | None = option(
+        None, "Calibrate later layers on 'original' or 'converted' earlier layers (default: original: measured "
+        "better for transmla, and as published for mha2mla)."
+    )
+    device: str = option("auto", "auto | cpu | cuda, for the conversion math.")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def __post_init__(self) -> None:
+        pick_device(self.device)  # cuda without a GPU fails here, before any work (every method)
+        if self.propagate is not None and self.propagate not in PROPAGATIONS:
+            raise ValueError(f"propagate must be one of {', '.join(PROPAGATIONS)}, got {self.propagate!r}")
+        for name in ("calib_samples", "calib_seq_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
 
-    def calibration_size(self, default: tuple[int, int]) -> tuple[int, int]:
+    def size(self, default: tuple[int, int]) -> tuple[int, int]:
         """(sequences, tokens per sequence): the ones given, else the method's `default`."""
         n = default[0] if self.calib_samples is None else self.calib_samples
         t = default[1] if self.calib_seq_len is None else self.calib_seq_len
         return n, t
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
+        return pick_device(self.device)
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+
+@dataclass
+class OutputOptions:
+    dtype: str | None = option(None, "Output dtype: fp32 | bf16 | fp16 (default: the source's).")
+    max_shard_size: str = option("5GB", "Largest safetensors shard, e.g. 5GB, 500MB.")
+    force: bool = option(False, "Replace a non-empty output folder.")
+    format: str = option(
+        "native", "native (our MLA format) | deepseek (a stock DeepseekV3ForCausalLM folder; implies --shared-rope).",
+        flag="--format",
+    )
+
+    def __post_init__(self) -> None:
+        from ..checkpoint.writer import parse_size
+
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.dtype is not None:
+            torch_dtype(self.dtype)  # fail before any work on a bad name
+        parse_size(self.max_shard_size)
+
+
+COMMON_SCHEMAS = (CalibrationOptions, OutputOptions)
+
+
+@dataclass
+class ConvertOptions:
+    """One conversion: the method by name, its own settings, and the common ones."""
+
+    method: str = "lossless"
+    settings: Any = None  # the method's Options (None: its defaults)
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+
+    def __post_init__(self) -> None:
+        from .registry import get_method
+
+        options_type = get_method(self.method).Options
+        if self.settings is None:
+            self.settings = options_type()
+        elif not isinstance(self.settings, options_type):
+            raise TypeError(f"{self.method} takes {options_type.__name__}, got {type(self.settings).__name__}")
+
+    @classmethod
+    def of(cls, method: str = "lossless", **flat: Any) -> "ConvertOptions":
+        """From flat settings (CLI flags, recipe keys, sweep overrides): each key goes to the schema
+        that has that field; a key the method does not take is an error naming it."""
+        from .registry import get_method
+
+        options_type = get_method(method).Options
+        parts: dict[type, dict[str, Any]] = {s: {} for s in (*COMMON_SCHEMAS, options_type)}
+        for key, value in flat.items():
+            schema = next((s for s in parts if key in {f.name for f in fields(s)}), None)
+            if schema is None:
+                if key in method_field_names():
+                    whole = " (it keeps the whole cache); use method transmla or mha2mla to shrink the cache" if method == "lossless" else ""
+                    raise ValueError(f"{key} does not apply to method {method}{whole}")
+                raise ValueError(f"unknown conversion setting {key}")
+            parts[schema][key] = value
+        return cls(
+            method, options_type(**parts[options_type]),
+            CalibrationOptions(**parts[CalibrationOptions]), OutputOptions(**parts[OutputOptions]),
+        )
+
+    def to_dict(self) -> dict:
+        """Flat: the method, its settings and the common ones (what of() takes back)."""
+        return {"method": self.method, **asdict(self.settings), **asdict(self.calibration), **asdict(self.output)}
+
+
+def method_field_names() -> set[str]:
+    from .registry import METHODS
+
+    return {f.name for m in METHODS.values() for f in fields(m.Options)}
+
+
+def flat_fields() -> dict[str, tuple[Any, Any]]:
+    """name -> (type, default) of every flat setting `ConvertOptions.of` takes: the method, every
+    method's settings (default None: the method's own default) and the common ones."""
+    from .registry import METHODS
+
+    out: dict[str, tuple[Any, Any]] = {"method": (str, "lossless")}
+    for m in METHODS.values():
+        hints = typing.get_type_hints(m.Options)
+        for f in fields(m.Options):
+            out.setdefault(f.name, (hints[f.name] | None, None))
+    for schema in COMMON_SCHEMAS:
+        hints = typing.get_type_hints(schema)
+        out.update({f.name: (hints[f.name], f.default) for f in fields(schema)})
+    return out
+
+
+__all__ = ["COMMON_SCHEMAS", "FORMATS", "PROPAGATIONS", "check_kv_budget", "CalibrationOptions", "ConvertOptions", "OutputOptions", "flat_fields"]

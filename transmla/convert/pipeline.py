@@ -1,24 +1,32 @@
-"""Stream a source checkpoint through a per-layer conversion into a native MLA checkpoint.
+"""Stream a source checkpoint through a conversion method into a native MLA checkpoint.
 
-One layer's attention tensors are read, converted and written at a time; every other tensor is
-copied through unchanged (cast to the output dtype). Output appears only when complete.
+`LayerStream` drives a method (method.py): its plan, the calibration tokens, the layer-by-layer
+iteration (calibrated or not, as the plan needs) and the record of what was done.
+`write_mla_checkpoint` reads, converts and writes one layer's attention tensors at a time; every
+other tensor is copied through unchanged (cast to the output dtype). Output appears only when complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..checkpoint.files import copy_tokenizer_files
 from ..checkpoint.reader import SafetensorsReader
 from ..checkpoint.writer import ShardedWriter, atomic_output_dir
 from ..dtypes import torch_dtype
-from ..families import attention_geometry, family_for, rope_inv_freq
-from ..mla.config import MLAConfig
+from ..families import attention_geometry, family_for
 from ..mla.model import mla_config_for
 from ..progress import progress_bar
-from .layers import MLALayer, SourceAttention
+from .assemble import mla_config
+from .calibrate import calibrated_layers
+from .layers import MLALayer, SourceAttention, source_layers
+from .method import ConversionMethod
+from .options import ConvertOptions
 
 
 @dataclass
@@ -36,59 +44,80 @@ class ConvertResult:
         return self.kv_elements_per_token_per_layer / self.source_kv_elements_per_token_per_layer
 
 
-def read_source_attention(reader: SafetensorsReader, config, layer: int) -> SourceAttention:
-    family = family_for(config)
-    names = family.attention_names(config, layer)
-    missing = [n for n in names.values() if n not in reader]
-    if missing:
-        raise KeyError(f"source checkpoint lacks {missing[0]} (layer {layer})")
-    inv_freq, _ = rope_inv_freq(config)
-    return SourceAttention.from_tensors(attention_geometry(config), inv_freq, {r: reader.get(n) for r, n in names.items()})
+def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """[samples, seq_len] calibration tokens of `text` under the source's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..data.calib import calibration_chunks
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source_dir))
+    return calibration_chunks(tokenizer, text, samples, seq_len, seed)
 
 
-def source_layers(source_dir: Path, config) -> Iterator[SourceAttention]:
-    """Each layer's source attention, read one layer at a time."""
-    with SafetensorsReader(source_dir) as reader:
-        for i in range(attention_geometry(config).num_layers):
-            yield read_source_attention(reader, config, i)
+class LayerStream:
+    """One method's converted layers, in order, computed one at a time while iterated.
+
+    calib_ids [N, T] replaces the calibration text of the options, and `plan` the plan the method
+    derives from them (tests, benchmarks). keep_stages: also keep every layer's intermediate forms
+    (method.stage_layers) in `stages`. After the iteration `record()` describes the conversion.
+    """
+
+    def __init__(self, method: ConversionMethod, source_dir: Path, config, options: ConvertOptions, *,
+                 progress: bool = True, calib_ids: torch.Tensor | None = None, plan=None, keep_stages: bool = False):
+        self.method, self.source_dir, self.config, self.progress = method, Path(source_dir), config, progress
+        self.geometry = attention_geometry(config)
+        self.plan = plan if plan is not None else method.plan(self.geometry, options.settings)
+        self.needs = method.needs(self.plan)
+        self.keep_stages = keep_stages
+        self.infos: list[dict] = []
+        self.stages: dict[str, list[MLALayer]] = {}
+        self.calibration: dict | None = None
+        self.calib_ids = None
+        cal = options.calibration
+        self.device = cal.resolved_device()
+        self.propagate = cal.propagate or method.default_propagate
+        if self.needs.calibration:
+            if calib_ids is None:
+                n, t = cal.size(method.default_calibration)
+                calib_ids = calibration_ids(self.source_dir, cal.calib, n, t, cal.seed)
+                self.calibration = {"text": cal.calib, "samples": n, "seq_len": t, "seed": cal.seed}
+            else:
+                self.calibration = {"ids": list(calib_ids.shape)}
+            self.calibration |= {"tokens": int(calib_ids.numel()), "propagate": self.propagate}
+            self.calib_ids = calib_ids
+
+    def _convert(self, index: int, src: SourceAttention, stats) -> MLALayer:
+        layer, info = self.method.convert_layer(self.plan, src, stats)
+        self.infos.append(info)
+        if self.keep_stages:
+            for name, staged in self.method.stage_layers(self.plan, src, stats).items():
+                self.stages.setdefault(name, []).append(staged)
+        return layer
+
+    def __iter__(self) -> Iterator[MLALayer]:
+        start = time.perf_counter()
+        if self.needs.calibration:
+            yield from calibrated_layers(
+                self.source_dir, self.config, self.calib_ids, self._convert, propagate=self.propagate,
+                pair_norms=self.needs.pair_norms, device=self.device, progress=self.progress,
+            )
+        else:
+            for i, src in enumerate(source_layers(self.source_dir, self.config)):
+                yield self._convert(i, src, None)
+        self.method.summarize(self.geometry, self.plan, self.infos, time.perf_counter() - start)
+
+    def record(self) -> dict:
+        """The method's part of config.json's "mla.method" block."""
+        meta = {"name": self.method.name, **self.method.describe(self.plan)}
+        if any(self.infos):
+            meta["layers"] = self.infos
+        if self.calibration is not None:
+            meta["calibration"] = self.calibration
+        return meta
 
 
 def _shape_signature(layer: MLALayer) -> dict[str, tuple | None]:
     return {k: (None if v is None else tuple(v.shape)) for k, v in layer.__dict__.items()}
-
-
-def _mla_config(config, first: MLALayer, inv_freqs: list[list[float]], method: dict) -> MLAConfig:
-    geo = attention_geometry(config)
-    d_r = 2 * first.rope_inv_freq.numel()
-    d_c = first.kv_a_proj.shape[0] - d_r
-    H = geo.num_heads
-    q_out = (first.q_b_proj if first.q_a_proj is not None else first.q_proj).shape[0]
-    _, scaling = rope_inv_freq(config)
-    return MLAConfig(
-        num_heads=H,
-        hidden_size=geo.hidden_size,
-        kv_lora_rank=d_c,
-        qk_rope_head_dim=d_r,
-        qk_nope_head_dim=q_out // H - d_r,
-        v_head_dim=first.o_proj.shape[1] // H,
-        softmax_scale=geo.head_dim**-0.5,  # the source's scale, kept exactly
-        rope_inv_freq=inv_freqs,
-        rope_attention_scaling=scaling,
-        q_lora_rank=None if first.q_a_proj is None else first.q_a_proj.shape[0],
-        kv_a_norm=first.kv_a_norm is not None,
-        q_bias=first.q_bias is not None,
-        kv_a_bias=first.kv_a_bias is not None,
-        kv_b_bias=first.kv_b_bias is not None,
-        o_bias=first.o_bias is not None,
-        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
-        source={
-            "model_type": config.model_type,
-            "num_key_value_heads": geo.num_kv_heads,
-            "head_dim": geo.head_dim,
-            "kv_elements_per_token_per_layer": geo.kv_elements_per_token_per_layer,
-        },
-        method=method,
-    )
 
 
 def write_mla_checkpoint(
@@ -96,7 +125,7 @@ def write_mla_checkpoint(
     config,
     output: Path,
     layers: Iterable[MLALayer],
-    method: dict,
+    method: dict | Callable[[], dict],
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     force: bool = False,
@@ -104,7 +133,8 @@ def write_mla_checkpoint(
 ) -> ConvertResult:
     """Write the checkpoint in `source_dir` with its attention replaced by `layers` (one per layer, in order).
 
-    `layers` is consumed lazily, so a method may read, calibrate and convert one layer at a time.
+    `layers` is consumed lazily, so a method may read, calibrate and convert one layer at a time;
+    `method` (config.json's "mla.method" block) may be a callable, called once every layer is written.
     """
     family = family_for(config)
     geo = attention_geometry(config)
@@ -131,7 +161,9 @@ def write_mla_checkpoint(
         if count != geo.num_layers:
             raise ValueError(f"the method produced {count} layers for a {geo.num_layers}-layer model")
         files = writer.close()
-        mla = _mla_config(config, first, inv_freqs, method)
+        if callable(method):
+            method = method()
+        mla = mla_config(config, first, inv_freqs, method)
         out_config = mla_config_for(config, mla)
         out_config.dtype = out_dtype or src_dtype
         out_config.save_pretrained(tmp)

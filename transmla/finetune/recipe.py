@@ -4,7 +4,7 @@ A recipe names the model, the data, what trains and how, evaluation, checkpointi
 output directory. Every section forbids unknown keys and checks types, so a typo fails before
 any work starts, with a one-line message naming the key (``load_recipe`` raises ValueError).
 
-    model:      {path: CONVERTED_MLA_DIR}  or  {source: SRC, convert: {ConvertOptions fields}}
+    model:      {path: CONVERTED_MLA_DIR}  or  {source: SRC, convert: {flat conversion settings}}
     data:       train/eval texts, sequence length, documents and packing
     train:      trainable parameters, steps or a token budget, batch, accumulation, precision
     optimizer:  AdamW settings;  schedule: constant | cosine | linear with warmup
@@ -19,17 +19,15 @@ the value is read as a YAML scalar (``50`` an int, ``2e-4`` a float, ``true`` a 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from ..convert.options import ConvertOptions
+from ..convert.options import flat_fields
 
 __all__ = [
     "CheckpointSpec",
@@ -51,9 +49,9 @@ class _Strict(BaseModel):
 
 
 def _convert_settings_model() -> type[BaseModel]:
-    """A strict pydantic model with exactly the fields (and types, defaults) of ConvertOptions."""
-    hints = typing.get_type_hints(ConvertOptions)
-    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(ConvertOptions) if f.name != "force"}
+    """A strict pydantic model with exactly the flat conversion settings (convert.options.flat_fields);
+    a method's own settings default to None (the method's default)."""
+    fields = {name: spec for name, spec in flat_fields().items() if name != "force"}
     return create_model("ConvertSettings", __config__=ConfigDict(extra="forbid", coerce_numbers_to_str=True), **fields)
 
 

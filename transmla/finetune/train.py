@@ -192,7 +192,7 @@ def _converted_dir(recipe: Recipe, accelerator, progress: bool) -> tuple[Path, s
             from ..convert.options import ConvertOptions
 
             _log(accelerator, f"converting {spec.source} into {target} ({spec.convert.method})")
-            options = ConvertOptions(**spec.convert.model_dump(), force=True)
+            options = ConvertOptions.of(**spec.convert.model_dump(exclude_none=True), force=True)
             convert(spec.source, target, options, progress=progress)
             marker.write_text(json.dumps(settings, indent=1))
     accelerator.wait_for_everyone()

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .layers import MLALayer
-from .lowrank import Factorization, low_rank, with_bias_column
+from ..layers import MLALayer
+from ..lowrank import Factorization, low_rank, with_bias_column
 
 SVD_MODES = ("joint", "split")
 WEIGHTINGS = ("none", "activation")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.files import copy_tokenizer_files
-from ..checkpoint.reader import SafetensorsReader
-from ..checkpoint.writer import ShardedWriter, atomic_output_dir
-from ..families import attention_geometry, family_for
+from ...checkpoint.files import copy_tokenizer_files
+from ...checkpoint.reader import SafetensorsReader
+from ...checkpoint.writer import ShardedWriter, atomic_output_dir
+from ...families import attention_geometry, family_for
 
 
 def repeat_kv_heads(w: torch.Tensor, num_kv_heads: int, group_size: int) -> torch.Tensor:

@@ -6,17 +6,17 @@ third of the budget as rope dims (SmolLM2: 128 + 64, 64 + 32, 32 + 16 for 50/25/
 
 from __future__ import annotations
 
-from ..messages import warn
+from ...messages import warn
 
 
 def transmla_budget(source_kv_elements: int, fraction: float, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
     """(R, r) for a cache of `fraction` of the source's: r = the largest whole number of pairs
     within a third of the budget, R = the rest (capped at what the layer can use)."""
     if not fraction > 0:
-        raise ValueError(f"--kv-budget must be a positive fraction of the source cache, got {fraction}")
+        raise ValueError(f"kv_budget must be a positive fraction of the source cache, got {fraction}")
     budget = int(round(fraction * source_kv_elements))
     if budget < 3:
-        raise ValueError(f"--kv-budget {fraction} leaves {budget} cached elements per token; TransMLA needs at least 3")
+        raise ValueError(f"kv_budget {fraction} leaves {budget} cached elements per token; TransMLA needs at least 3")
     full = 2 * num_kv_heads * head_dim
     r = min(2 * (budget // 6), num_kv_heads * head_dim)  # whole pairs, about a third of the budget
     r = max(r, 2)
@@ -30,16 +30,16 @@ def validate_transmla_shape(kv_lora_rank: int, rope_dim: int, head_dim: int, num
     keys = num_kv_heads * head_dim
     full = 2 * keys
     if rope_dim < 2 or rope_dim % 2:
-        raise ValueError(f"--rope-dim must cover whole rope pairs (a positive even number), got {rope_dim}")
+        raise ValueError(f"rope_dim must cover whole rope pairs (a positive even number), got {rope_dim}")
     if rope_dim > keys:
         raise ValueError(
-            f"--rope-dim {rope_dim} does not fit: the keys have {keys} dims ({num_kv_heads} KV heads x {head_dim})"
+            f"rope_dim {rope_dim} does not fit: the keys have {keys} dims ({num_kv_heads} KV heads x {head_dim})"
         )
     if kv_lora_rank < 1:
-        raise ValueError(f"--kv-lora-rank must be positive, got {kv_lora_rank}")
+        raise ValueError(f"kv_lora_rank must be positive, got {kv_lora_rank}")
     if kv_lora_rank > full - rope_dim:
         raise ValueError(
-            f"--kv-lora-rank {kv_lora_rank} is larger than the {full - rope_dim} dims it compresses "
+            f"kv_lora_rank {kv_lora_rank} is larger than the {full - rope_dim} dims it compresses "
             f"(2 * {num_kv_heads} KV heads * {head_dim} - rope dim {rope_dim})"
         )
     if kv_lora_rank + rope_dim >= full:

@@ -9,16 +9,16 @@ read them (2norm selection reads the pair norms, activation weighting the input 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..families import attention_geometry
-from .layers import MLALayer, SourceAttention
-from .mha2mla_budget import MHA2MLAShape, resolve_shape
-from .options import ConvertOptions
+from ...families import AttentionGeometry
+from ..layers import MLALayer, SourceAttention
+from ..method import ConversionMethod, StatsNeeds
+from ...schema import option
+from ..options import check_kv_budget
+from ..replicate import replicate
+from .budget import MHA2MLAShape, resolve_shape
 from .partial_rope import STRATEGIES, key_latent_dims, partial_rope, select_pairs
-from .replicate import replicate
 from .svd import SVD_MODES, WEIGHTINGS, compress_latent
 
 # MHA2MLA as published scores pairs and whitens on the original model's activations.
@@ -34,16 +34,16 @@ class MHA2MLASettings:
     shape: MHA2MLAShape
     rope_select: str = "high"
     svd: str = "joint"
-    svd_weighting: str = "none"
+    svd_weighting: str = "activation"
     center: bool = False  # activation weighting only: centred covariance + mean through kv_b's bias
 
     def __post_init__(self) -> None:
         if self.rope_select not in STRATEGIES:
-            raise ValueError(f"--rope-select must be one of {', '.join(STRATEGIES)}, got {self.rope_select!r}")
+            raise ValueError(f"rope_select must be one of {', '.join(STRATEGIES)}, got {self.rope_select!r}")
         if self.svd not in SVD_MODES:
-            raise ValueError(f"--svd must be one of {', '.join(SVD_MODES)}, got {self.svd!r}")
+            raise ValueError(f"svd must be one of {', '.join(SVD_MODES)}, got {self.svd!r}")
         if self.svd_weighting not in WEIGHTINGS:
-            raise ValueError(f"--svd-weighting must be one of {', '.join(WEIGHTINGS)}, got {self.svd_weighting!r}")
+            raise ValueError(f"svd_weighting must be one of {', '.join(WEIGHTINGS)}, got {self.svd_weighting!r}")
 
     @property
     def needs_pair_norms(self) -> bool:
@@ -72,14 +72,24 @@ class MHA2MLASettings:
         }
 
 
-def settings_from_options(geometry, options: ConvertOptions, warn: bool = True) -> MHA2MLASettings:
-    """Validate the CLI options that mha2mla reads; ValueError with one line for a bad setting."""
-    if options.rope_dim is not None:
-        raise ValueError("--rope-dim is a transmla option; mha2mla keeps --rope-pairs P pairs per key head")
-    if str(options.freqfold) != ConvertOptions().freqfold:  # set away from its default
-        raise ValueError("--freqfold is a transmla option; mha2mla keeps each pair's own frequency")
-    if options.q_lora_rank is not None:
-        raise ValueError("--q-lora-rank is not supported by mha2mla (the paper keeps the full query)")
+@dataclass
+class MHA2MLAOptions:
+    kv_lora_rank: int | None = option(None, "Latent size d_c.", short="-R")
+    rope_pairs: int | None = option(None, "mha2mla: RoPE pairs kept per KV head (default: head_dim / 16).", short="-P")
+    kv_budget: float | None = option(None, "Fraction of the source KV cache to keep; derives -R/-r (or -R with -P).")
+    rope_select: str = option("high", "mha2mla: high | low | uniform | 2norm.")
+    svd: str = option("joint", "mha2mla: joint | split low rank of [K_nope; V].")
+    svd_weighting: str = option(
+        "activation", "mha2mla: activation (whiten by the calibration input covariance; far better "
+        "training-free) | none (weight-only SVD, as published)."
+    )
+
+    def __post_init__(self) -> None:
+        check_kv_budget(self.kv_budget)
+
+
+def settings_from_options(geometry: AttentionGeometry, options: MHA2MLAOptions, warn: bool = True) -> MHA2MLASettings:
+    """Validate the settings mha2mla reads; ValueError with one line for a bad setting."""
     shape = resolve_shape(geometry, options.rope_pairs, options.kv_lora_rank, options.kv_budget, warn=warn)
     return MHA2MLASettings(shape, options.rope_select, options.svd, options.svd_weighting)
 
@@ -105,51 +115,32 @@ def mha2mla_layer(src: SourceAttention, settings: MHA2MLASettings, stats=None) -
     return out, info
 
 
-def mha2mla_layers(
-    source_dir: Path, config, options: ConvertOptions, progress: bool = True, *, calib_ids=None
-) -> tuple[Iterator[MLALayer], dict]:
-    """The converted layers (lazily, one at a time) and a description; meta["layers"] fills as they come.
+class MHA2MLA(ConversionMethod):
+    name = "mha2mla"
+    help = "partial-RoPE selection, then an activation-aware or weight SVD"
+    Options = MHA2MLAOptions
+    default_calibration = DEFAULT_CALIBRATION
+    default_propagate = DEFAULT_PROPAGATE
 
-    calib_ids [N, T] replaces the calibration text of the options (tests, benchmarks).
-    """
-    geo = attention_geometry(config)
-    settings = settings_from_options(geo, options)
-    meta = settings.describe()
-    meta["layers"] = []  # per layer: kept pairs [g][P] (and the K/V rank split); filled lazily
+    def plan(self, geometry: AttentionGeometry, options: MHA2MLAOptions) -> MHA2MLASettings:
+        return settings_from_options(geometry, options)
 
-    def convert(index: int, src: SourceAttention, stats=None) -> MLALayer:
-        layer, info = mha2mla_layer(src, settings, stats)
-        meta["layers"].append(info)
-        return layer
+    def needs(self, plan: MHA2MLASettings) -> StatsNeeds:
+        return StatsNeeds(gram=plan.needs_gram, pair_norms=plan.needs_pair_norms)
 
-    if not settings.needs_calibration:
-        from .pipeline import source_layers
+    def describe(self, plan: MHA2MLASettings) -> dict:
+        return plan.describe()
 
-        layers = (convert(i, src) for i, src in enumerate(source_layers(source_dir, config)))
-        return layers, meta
+    def shared_rope(self, geometry: AttentionGeometry, options: MHA2MLAOptions) -> MHA2MLAOptions:
+        if geometry.num_kv_heads > 1 or options.rope_select not in ("high", "uniform"):
+            raise ValueError(
+                "shared_rope: mha2mla keeps each KV head's own rope pairs; only a single-KV-head source with "
+                "rope_select high or uniform shares one grid; use method transmla"
+            )
+        return options
 
-    from .calibrate import calibrated_layers
-
-    propagate = options.propagate or DEFAULT_PROPAGATE
-    if calib_ids is None:
-        from transformers import AutoTokenizer
-
-        from ..data.calib import calibration_chunks
-
-        n, t = options.calibration_size(DEFAULT_CALIBRATION)
-        meta["calibration"] = {
-            "calib": options.calib, "samples": n, "seq_len": t, "seed": options.seed, "propagate": propagate,
-        }
-        tokenizer = AutoTokenizer.from_pretrained(source_dir)
-        calib_ids = calibration_chunks(tokenizer, options.calib, n, t, options.seed)
-    else:
-        meta["calibration"] = {"ids": list(calib_ids.shape), "propagate": propagate}
-    layers = calibrated_layers(
-        source_dir, config, calib_ids, convert,
-        propagate=propagate, pair_norms=settings.needs_pair_norms,
-        device=options.resolved_device(), progress=progress,
-    )
-    return layers, meta
+    def convert_layer(self, plan: MHA2MLASettings, source: SourceAttention, stats) -> tuple[MLALayer, dict]:
+        return mha2mla_layer(source, plan, stats)
 
 
-__all__ = ["MHA2MLASettings", "mha2mla_layer", "mha2mla_layers", "settings_from_options"]
+__all__ = ["MHA2MLA", "MHA2MLAOptions", "MHA2MLASettings", "mha2mla_layer", "settings_from_options"]

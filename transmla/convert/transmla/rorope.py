@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .lowrank import principal_basis
-from .replicate import rope_pair_rows
+from ..lowrank import principal_basis
+from ..replicate import rope_pair_rows
 
 SELECTIONS = ("uniform", "score", "grid")
 FREQUENCY_RULES = ("published", "weighted")

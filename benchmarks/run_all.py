@@ -73,7 +73,8 @@ def compute(methods: tuple[str, ...], budgets: tuple[float, ...], keep_models: b
     from transmla.checkpoint.resolve import cache_root
     from transmla.convert.api import convert
     from transmla.eval.report import environment
-    from transmla.eval.sweep import EvalSettings, evaluate_model, options_for
+    from transmla.eval.evaluate import EvalSettings, evaluate_model
+    from transmla.sweep import options_for
 
     data = load_json(CLI_JSON)
     data.setdefault("rows", {})

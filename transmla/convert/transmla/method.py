@@ -3,7 +3,7 @@
 Per layer (ALGORITHMS.md, TransMLA): from the layer's calibration gram G = E[[x;1][x;1]^T],
 1. RoRoPE / FreqFold: PCA of the key pairs across KV heads (per fold group of F frequencies),
    the same rotation on keys and slot-placed queries; r/2 components stay rope pairs, the rest
-   become NoPE (rope.py);
+   become NoPE (rorope.py);
 2. BKV balance and the joint PCA of [K_nope/alpha; V] at rank R (bkv.py);
 3. optionally a low-rank query (PCA, rank Q).
 Everything is a second moment of a linear map of x, so G is all a layer needs: the calibration
@@ -16,20 +16,20 @@ is ours (see eval/results/transmla_bench.md for the measurements behind each def
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
-from ..families import attention_geometry
-from ..progress import stderr_console
+from ...families import AttentionGeometry
+from ...progress import stderr_console
+from ..layers import MLALayer, SourceAttention
+from ..method import ConversionMethod, StatsNeeds
+from ...schema import option
+from ..options import check_kv_budget
 from .bkv import assemble_layer, attention_metric, augmented, identity_latent, joint_pca
 from .budget import transmla_budget, validate_transmla_shape
-from .layers import MLALayer, SourceAttention
-from .options import ConvertOptions
-from .rope import (
+from .rorope import (
     auto_fold,
     check_fold,
     component_scores,
@@ -58,7 +58,7 @@ class TransMLAPlan:
 
     kv_lora_rank: int  # R = d_c
     rope_dim: int  # r = d_r (whole pairs)
-    freqfold: int | str = "auto"  # F; "auto": F = d/r (rope.auto_fold); "logit": per layer, least expected logit error
+    freqfold: int | str = "auto"  # F; "auto": F = d/r (rorope.auto_fold); "logit": per layer, least expected logit error
     selection: str = "score"  # score (ours: top components by expected score change) | uniform (published)
     frequencies: str = "published"  # published | weighted (frequency of a folded component)
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
@@ -91,17 +91,17 @@ def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto",
 
 
 def shared_rope_plan(plan: TransMLAPlan, head_dim: int) -> TransMLAPlan:
-    """--shared-rope: one rope grid in every layer (exportable to DeepSeek engines and llama.cpp).
+    """shared_rope: one rope grid in every layer (exportable to DeepSeek engines and llama.cpp).
 
     FreqFold with F = d/r keeps one component per fold group (the best by score) at the group's
     first frequency w_(aF) = theta^(-2a/r): DeepSeek's theta^(-2i/d_r) grid, the same in all layers.
     """
     pairs = plan.rope_dim // 2
     if pairs == 0 or (head_dim // 2) % pairs:
-        raise ValueError(f"--shared-rope needs rope dims r with (head_dim/2) / (r/2) whole; got r = {plan.rope_dim}, head_dim {head_dim}")
+        raise ValueError(f"shared_rope needs rope dims r with (head_dim/2) / (r/2) whole; got r = {plan.rope_dim}, head_dim {head_dim}")
     fold = head_dim // plan.rope_dim
     if plan.freqfold not in ("auto", fold):
-        raise ValueError(f"--shared-rope fixes freqfold to head_dim / rope-dim = {fold}; got --freqfold {plan.freqfold}")
+        raise ValueError(f"shared_rope fixes freqfold to head_dim / rope_dim = {fold}; got freqfold {plan.freqfold}")
     return replace(plan, selection="grid", freqfold=fold, frequencies="published")
 
 
@@ -158,7 +158,7 @@ def _rope_choice(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan, fold
 
 
 def source_logit_energy(src: SourceAttention, m: "LayerMoments", context: int) -> float:
-    """E[logit^2] of the source (rope.logit_error against an all-zero conversion, pairs grouped
+    """E[logit^2] of the source (rorope.logit_error against an all-zero conversion, pairs grouped
     one frequency at a time): the scale that makes the logit error relative. Cached on m."""
     if m.logit_energy is None:
         g, d = src.geometry.num_kv_heads, src.geometry.head_dim
@@ -170,9 +170,9 @@ def source_logit_energy(src: SourceAttention, m: "LayerMoments", context: int) -
 
 
 def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tuple[RopeChoice, dict[int, float]]:
-    """The RoRoPE/FreqFold choice for one layer: freqfold F, "auto" (F = d/r, rope.auto_fold) or
+    """The RoRoPE/FreqFold choice for one layer: freqfold F, "auto" (F = d/r, rorope.auto_fold) or
     "logit" (the fold among fold_candidates with the smallest expected logit error,
-    rope.logit_error). Returns the choice and every tried fold's relative error."""
+    rorope.logit_error). Returns the choice and every tried fold's relative error."""
     d = src.geometry.head_dim
     if plan.freqfold == "auto":
         folds = [auto_fold(d, plan.rope_dim)]
@@ -187,17 +187,13 @@ def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tu
     return best, {c.fold: c.logit_error for c in choices}
 
 
-def convert_layer(
-    src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan, stages: bool = False,
-    rope_gram: torch.Tensor | None = None,
-):
-    """One source layer -> (MLA layer, info dict[, {stage: MLALayer} when stages]).
+def convert_layer(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan,
+                  rope_gram: torch.Tensor | None = None) -> tuple[MLALayer, dict]:
+    """One source layer -> (MLA layer, info).
 
     gram: E[[x;1][x;1]^T] of the layer's input. rope_gram: a different gram for the RoRoPE step
     (the published code calibrates RoRoPE on the original model and the PCA on the partial-RoPE
     model); default: the same.
-    Stages (for --eval-data): "rorope" (smallest usable fold, full-rank latent), "freqfold" (the
-    chosen fold, full-rank latent) and "bkv_pca" (the result).
     """
     geo = src.geometry
     m = LayerMoments.of(src, gram if rope_gram is None else rope_gram)
@@ -214,11 +210,9 @@ def convert_layer(
     latent = joint_pca(
         partial.k_nope, wv, gram, plan.kv_lora_rank, balance=plan.balance, centre=plan.centre, metric=metric
     )
-    q_bias = src.bq is not None
-    kv_bias = src.bk is not None or src.bv is not None or plan.centre
     layer = assemble_layer(
-        wq, src.wo, src.bo, partial, latent, geo.num_heads, q_bias=q_bias, kv_bias=kv_bias,
-        q_lora_rank=plan.q_lora_rank, gram=gram,
+        wq, src.wo, src.bo, partial, latent, geo.num_heads, q_bias=src.bq is not None,
+        kv_bias=src.bk is not None or src.bv is not None or plan.centre, q_lora_rank=plan.q_lora_rank, gram=gram,
     )
     info = {
         "freqfold": choice.fold,
@@ -227,21 +221,26 @@ def convert_layer(
         "alpha": latent.alpha,
         "pca_energy_kept": latent.kept_energy(),
     }
-    if not stages:
-        return layer, info
-    full_kv_bias = src.bk is not None or src.bv is not None
-    out = {}
+    return layer, info
+
+
+def stage_layers(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan) -> dict[str, MLALayer]:
+    """The layer after each stage (for --eval-data): "rorope" (smallest usable fold, full-rank
+    latent), "freqfold" (the chosen fold, full-rank latent) and "bkv_pca" (the result)."""
+    geo = src.geometry
+    m = LayerMoments.of(src, gram)
+    wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
     folds = fold_candidates(geo.head_dim, plan.rope_dim // 2, plan.selection, geo.head_dim // 2)
-    first = replace(plan, freqfold=folds[0]) if folds else plan
-    for name, p in (("rorope", first), ("freqfold", None)):
-        c = choice if p is None else choose_rope(src, m, p)[0]
+    out = {}
+    for name, p in (("rorope", replace(plan, freqfold=folds[0]) if folds else plan), ("freqfold", plan)):
+        c = choose_rope(src, m, p)[0]
         part = split_rope(wq, wk, geo.num_heads, c.rotation, c.kept, c.inv_freq, c.nope_scale)
         out[name] = assemble_layer(
             wq, src.wo, src.bo, part, identity_latent(part.k_nope, wv), geo.num_heads,
-            q_bias=q_bias, kv_bias=full_kv_bias,
+            q_bias=src.bq is not None, kv_bias=src.bk is not None or src.bv is not None,
         )
-    out["bkv_pca"] = layer
-    return layer, info, out
+    out["bkv_pca"] = convert_layer(src, gram, plan)[0]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,13 +248,31 @@ def convert_layer(
 # --------------------------------------------------------------------------------------------
 
 
-def resolve_shape(options: ConvertOptions, config) -> tuple[int, int]:
-    """(R, r) from --kv-budget or --kv-lora-rank/--rope-dim, validated."""
-    geo = attention_geometry(config)
+@dataclass
+class TransMLAOptions:
+    kv_lora_rank: int | None = option(None, "Latent size d_c.", short="-R")
+    rope_dim: int | None = option(None, "transmla: shared rope key dims d_r.", short="-r")
+    kv_budget: float | None = option(None, "Fraction of the source KV cache to keep; derives -R/-r (or -R with -P).")
+    freqfold: str = option(
+        "auto", "transmla: frequencies folded per PCA group: an integer, 'auto' (F = head_dim / rope-dim) or "
+        "'logit' (per layer, least expected logit error)."
+    )
+    q_lora_rank: int | None = option(None, "transmla: low-rank query of this rank (PCA).")
+    shared_rope: bool = option(
+        False, "transmla: one rope frequency grid in every layer (one component per FreqFold group, F = "
+        "head_dim / rope-dim), the shape DeepSeek engines and llama.cpp run; see `transmla export`."
+    )
+
+    def __post_init__(self) -> None:
+        check_kv_budget(self.kv_budget)
+
+
+def resolve_shape(options: TransMLAOptions, geo: AttentionGeometry) -> tuple[int, int]:
+    """(R, r) from kv_budget or kv_lora_rank/rope_dim, validated."""
     source = geo.kv_elements_per_token_per_layer
     if options.kv_budget is not None:
         if options.kv_lora_rank is not None or options.rope_dim is not None:
-            raise ValueError("give either --kv-budget or --kv-lora-rank/--rope-dim, not both")
+            raise ValueError("give either kv_budget or kv_lora_rank/rope_dim, not both")
         R, r = transmla_budget(source, options.kv_budget, geo.head_dim, geo.num_kv_heads)
         if options.shared_rope:  # one rope pair per fold group: r/2 must divide d/2; the latent takes the rest
             shared = min(r, geo.head_dim)
@@ -264,130 +281,70 @@ def resolve_shape(options: ConvertOptions, config) -> tuple[int, int]:
             R, r = R + r - shared, shared
     else:
         if options.kv_lora_rank is None or options.rope_dim is None:
-            raise ValueError("transmla needs --kv-lora-rank and --rope-dim, or --kv-budget")
+            raise ValueError("transmla needs kv_lora_rank and rope_dim, or kv_budget")
         R, r = options.kv_lora_rank, options.rope_dim
     validate_transmla_shape(R, r, geo.head_dim, geo.num_kv_heads)
     return R, r
 
 
-def plan_from_options(options: ConvertOptions, config) -> TransMLAPlan:
-    geo = attention_geometry(config)
-    R, r = resolve_shape(options, config)
+def plan_from_options(options: TransMLAOptions, geo: AttentionGeometry) -> TransMLAPlan:
+    R, r = resolve_shape(options, geo)
     fold: int | str = str(options.freqfold).strip().lower()
     if fold not in FOLD_RULES:
         try:
             fold = int(fold)
         except ValueError:
-            raise ValueError(f"--freqfold must be an integer, 'auto' or 'logit', got {options.freqfold!r}") from None
+            raise ValueError(f"freqfold must be an integer, 'auto' or 'logit', got {options.freqfold!r}") from None
         check_fold(fold, geo.head_dim)
-    plan = default_plan(R, r, fold, options.q_lora_rank)
-    if options.shared_rope:
-        plan = shared_rope_plan(plan, geo.head_dim)
     if options.q_lora_rank is not None:
         q_out = geo.num_heads * (geo.head_dim + r)
         if not 1 <= options.q_lora_rank <= min(q_out, geo.hidden_size):
-            raise ValueError(f"--q-lora-rank must be between 1 and {min(q_out, geo.hidden_size)}, got {options.q_lora_rank}")
-    return plan
+            raise ValueError(f"q_lora_rank must be between 1 and {min(q_out, geo.hidden_size)}, got {options.q_lora_rank}")
+    plan = default_plan(R, r, fold, options.q_lora_rank)
+    return shared_rope_plan(plan, geo.head_dim) if options.shared_rope else plan
 
 
-def _calibration_ids(source_dir: Path, options: ConvertOptions) -> tuple[torch.Tensor, object]:
-    from transformers import AutoTokenizer
-
-    from ..data.calib import calibration_chunks
-
-    tokenizer = AutoTokenizer.from_pretrained(str(source_dir))
-    n, t = options.calibration_size(DEFAULT_CALIBRATION)
-    ids = calibration_chunks(tokenizer, options.calib, n, t, options.seed)
-    return ids, tokenizer
-
-
-def stage_perplexities(source_dir: Path, config, stage_layers: dict[str, list[MLALayer]], ids: torch.Tensor,
-                       windows: int = 8, seq_len: int = 512, progress: bool = False) -> dict[str, float]:
-    """Perplexity of the source and of the partial models (every layer at that stage) on `windows` windows."""
-    from ..checkpoint.resolve import load_lm
-    from ..eval.perplexity import perplexity
-    from .calibrate import assemble_model
-
-    source = load_lm(source_dir)
-    out = {"source": perplexity(source, ids, seq_len=seq_len, max_windows=windows, progress=progress).perplexity}
-    del source
-    for name, layers in stage_layers.items():
-        model = assemble_model(source_dir, config, layers, {"name": f"transmla-{name}"})
-        out[name] = perplexity(model, ids, seq_len=seq_len, max_windows=windows, progress=progress).perplexity
-        del model
-    return out
+@contextmanager
+def _one_thread():
+    """Small float64 eigen-problems: a thread pool only adds waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def transmla_layers(
-    source_dir: Path, config, options: ConvertOptions, progress: bool = True, *,
-    calib_ids: torch.Tensor | None = None, plan: TransMLAPlan | None = None,
-):
-    """--method transmla: (iterator of MLALayer in layer order, meta); meta["layers"] fills as
-    the layers come.
+class TransMLA(ConversionMethod):
+    name = "transmla"
+    help = "RoRoPE, FreqFold, BKV-PCA; for GQA sources"
+    Options = TransMLAOptions
+    default_calibration = DEFAULT_CALIBRATION
+    default_propagate = DEFAULT_PROPAGATE
 
-    calib_ids [N, T] replaces the calibration text of the options, and `plan` the plan derived
-    from them (tests, benchmarks).
-    """
-    from .calibrate import calibrated_layers
+    def plan(self, geometry: AttentionGeometry, options: TransMLAOptions) -> TransMLAPlan:
+        return plan_from_options(options, geometry)
 
-    geo = attention_geometry(config)
-    plan = plan or plan_from_options(options, config)
-    propagate = options.propagate or DEFAULT_PROPAGATE
-    device = options.resolved_device()
-    tokenizer = None
-    if calib_ids is None:
-        ids, tokenizer = _calibration_ids(source_dir, options)
-    else:
-        ids = calib_ids
-    per_layer: list[dict] = []
-    meta = {
-        "name": "transmla",
-        "kv_lora_rank": plan.kv_lora_rank,
-        "rope_dim": plan.rope_dim,
-        "plan": plan.to_dict(),
-        "propagate": propagate,
-        "calibration": (
-            {"text": options.calib, "samples": ids.shape[0], "seq_len": ids.shape[1],
-             "seed": options.seed, "tokens": int(ids.numel())}
-            if calib_ids is None else {"ids": list(ids.shape), "tokens": int(ids.numel())}
-        ),
-        "layers": per_layer,  # filled while converting (shared with the written config)
-    }
-    want_stages = options.eval_data is not None
-    stage_layers: dict[str, list[MLALayer]] = {"rorope": [], "freqfold": [], "bkv_pca": []}
+    def shared_rope(self, geometry: AttentionGeometry, options: TransMLAOptions) -> TransMLAOptions:
+        return replace(options, shared_rope=True)
 
-    def convert(i: int, src: SourceAttention, stats) -> MLALayer:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # small float64 eigen-problems: a thread pool only adds waiting
-        try:
-            out = convert_layer(src, stats.gram, plan, stages=want_stages)
-        finally:
-            torch.set_num_threads(threads)
-        per_layer.append({k: v for k, v in out[1].items() if k != "logit_error_by_fold"})
-        if want_stages:
-            for name, layer in out[2].items():
-                stage_layers[name].append(layer)
-        return out[0]
+    def needs(self, plan: TransMLAPlan) -> StatsNeeds:
+        return StatsNeeds(gram=True)
 
-    def layers() -> Iterator[MLALayer]:
-        start = time.perf_counter()
-        yield from calibrated_layers(source_dir, config, ids, convert, propagate=propagate, device=device, progress=progress)
-        seconds = time.perf_counter() - start
-        if want_stages:
-            from transformers import AutoTokenizer
+    def describe(self, plan: TransMLAPlan) -> dict:
+        return {"kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim, "plan": plan.to_dict()}
 
-            from ..data.texts import load_text
-            from ..eval.perplexity import tokenize_text
+    def convert_layer(self, plan: TransMLAPlan, source: SourceAttention, stats) -> tuple[MLALayer, dict]:
+        with _one_thread():
+            layer, info = convert_layer(source, stats.gram, plan)
+        return layer, {k: v for k, v in info.items() if k != "logit_error_by_fold"}
 
-            tok = tokenizer or AutoTokenizer.from_pretrained(str(source_dir))
-            eval_ids = tokenize_text(tok, load_text(options.eval_data, part="eval"))
-            ppl = stage_perplexities(source_dir, config, stage_layers, eval_ids, progress=progress)
-            for name, value in ppl.items():
-                stderr_console.print(f"[bold]{name}[/] perplexity on {options.eval_data} (8 x 512 tokens): {value:.2f}")
-            meta["stage_perplexity"] = ppl
-        print_kv_summary(geo, plan, per_layer, seconds)
+    def stage_layers(self, plan: TransMLAPlan, source: SourceAttention, stats) -> dict[str, MLALayer]:
+        with _one_thread():
+            return stage_layers(source, stats.gram, plan)
 
-    return layers(), meta
+    def summarize(self, geometry: AttentionGeometry, plan: TransMLAPlan, infos: list[dict], seconds: float) -> None:
+        print_kv_summary(geometry, plan, infos, seconds)
 
 
 def print_kv_summary(geo, plan: TransMLAPlan, per_layer: list[dict], seconds: float | None = None) -> None:
@@ -411,6 +368,8 @@ __all__ = [
     "DEFAULT_CALIBRATION",
     "DEFAULT_PROPAGATE",
     "LayerMoments",
+    "TransMLA",
+    "TransMLAOptions",
     "TransMLAPlan",
     "choose_rope",
     "convert_layer",
@@ -418,7 +377,7 @@ __all__ = [
     "plan_from_options",
     "published_plan",
     "resolve_shape",
-    "stage_perplexities",
-    "transmla_layers",
+    "shared_rope_plan",
+    "stage_layers",
 ]
 

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from transmla_bench import Bench, log  # noqa: E402
 
-from transmla.convert.calibrate import assemble_model  # noqa: E402
-from transmla.convert.mha2mla_budget import resolve_shape  # noqa: E402
-from transmla.convert.mha2mla_method import DEFAULT_CALIBRATION, MHA2MLASettings, mha2mla_layer  # noqa: E402
+from transmla.convert.assemble import assemble_model  # noqa: E402
+from transmla.convert.mha2mla.budget import resolve_shape  # noqa: E402
+from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION, MHA2MLASettings, mha2mla_layer  # noqa: E402
 from transmla.eval.report import environment  # noqa: E402
 from transmla.families import attention_geometry  # noqa: E402
 

@@ -94,13 +94,14 @@ def main_run(args) -> None:
     from transformers import AutoTokenizer
 
     from transmla.checkpoint.resolve import cache_root, load_config, load_model, resolve_model_dir
-    from transmla.convert.calibrate import LayerStats, assemble_model, collect_layer_stats
-    from transmla.convert.mha2mla_budget import mha2mla_budget
-    from transmla.convert.mha_copy import make_mha_copy
-    from transmla.convert.partial_rope import key_latent_dims, partial_rope, select_pairs
-    from transmla.convert.pipeline import source_layers
+    from transmla.convert.assemble import assemble_model
+    from transmla.convert.calibrate import LayerStats, collect_layer_stats
+    from transmla.convert.mha2mla.budget import mha2mla_budget
+    from transmla.convert.mha2mla.mha_copy import make_mha_copy
+    from transmla.convert.mha2mla.partial_rope import key_latent_dims, partial_rope, select_pairs
+    from transmla.convert.layers import source_layers
     from transmla.convert.replicate import replicate
-    from transmla.convert.svd import apply_factors, latent_spectrum, split_latent
+    from transmla.convert.mha2mla.svd import apply_factors, latent_spectrum, split_latent
     from transmla.data.calib import calibration_chunks
     from transmla.data.texts import load_text
     from transmla.eval.perplexity import perplexity, tokenize_text
@@ -412,7 +413,7 @@ def best_screened(settings: dict, budget: float) -> dict | None:
 
 def cli_defaults_by_budget() -> dict:
     """MHA2MLA with its CLI defaults (their calibration shape), wiki-test 32 windows, from eval/mha2mla_calib_shape.py."""
-    from transmla.convert.mha2mla_method import DEFAULT_CALIBRATION
+    from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION
 
     path = RESULTS / "mha2mla_calib_shape.json"
     if not path.is_file():

@@ -1,137 +1,31 @@
-"""Evaluate models under one protocol, and sweep a conversion method over KV-cache budgets.
+"""Sweep conversion methods over KV-cache budgets: convert, evaluate, table and plot.
 
-``evaluate_model`` is the one evaluation both ``transmla eval`` (with ``--compare``) and
-``transmla sweep`` use: perplexity on a text, KV accounting at a context, and optionally the
-cache measured after generating tokens. ``sweep`` converts the source at each budget through
-``transmla.convert.api.convert`` (``ConvertOptions(kv_budget=...)``), evaluates each converted
-model, and writes sweep.json, sweep.md and sweep.png (perplexity against the kept KV-cache
-fraction, one line per method or setting, the source as a horizontal line).
+Sits above convert and eval: ``sweep`` converts the source at each budget through
+``transmla.convert.api.convert`` (each method's own settings, ``kv_budget`` set per point),
+evaluates each converted model with ``eval.evaluate.evaluate_model``, and writes sweep.json,
+sweep.md and sweep.png (perplexity against the kept KV-cache fraction, one line per method or
+setting, the source as a horizontal line).
 """
 
 from __future__ import annotations
 
-import gc
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import torch
+from .checkpoint.files import refuse_symlinks
+from .convert.api import convert as api_convert
+from .convert.options import COMMON_SCHEMAS, ConvertOptions
+from .convert.registry import get_method
+from .eval import report as rep
+from .eval.evaluate import evaluate_model
+from .eval.settings import EvalSettings
+from .progress import progress_bar, stderr_console
 
-from ..checkpoint.files import refuse_symlinks
-from ..dtypes import torch_dtype
-from ..messages import warn
-from ..progress import progress_bar, stderr_console
-from . import report as rep
-
-__all__ = ["EvalSettings", "compare_report", "evaluate_model", "options_for", "parse_budgets", "sweep", "write_sweep"]
-
-
-
-@dataclass
-class EvalSettings:
-    """One protocol for every model of a report or sweep."""
-
-    data: str = "wiki"
-    text_field: str = "text"
-    seq_len: int = 512
-    max_windows: int | None = None
-    stride: int | None = None  # None: non-overlapping windows; else the sliding-window protocol
-    batch_size: int = 4
-    dtype: str = "fp32"
-    device: str = "cpu"
-    context: int | None = 8192  # KV bytes reported at this many tokens
-    measure_tokens: int = 0  # generate this many tokens and measure the cache (0: skip)
-    prompt_tokens: int = 32  # prompt for the measured cache: the first tokens of the text
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        """Window settings checked before any model loads (one-line errors naming the option)."""
-        if self.seq_len < 2:
-            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise ValueError(f"--max-windows must be at least 1, got {self.max_windows}")
-        if self.stride is not None and not 1 <= self.stride <= self.seq_len:
-            raise ValueError(f"--stride must be between 1 and --seq-len ({self.seq_len}), got {self.stride}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
-        torch_dtype(self.dtype)
-
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class Evaluated:
-    entry: dict[str, Any]  # report.model_entry
-    ids: torch.Tensor  # [N] the evaluation tokens
-    ppl: dict[str, Any] = field(default_factory=dict)  # PerplexityResult.to_dict()
-
-
-def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model",
-                   ids: torch.Tensor | None = None) -> Evaluated:
-    """Load ``spec`` (source or converted), score the text, account for (and measure) its KV cache.
-
-    ``ids`` [N], when given, must equal this model's own tokenization of the text (a comparison
-    needs the same tokens): a model with another tokenizer is refused.
-    """
-    from ..checkpoint.resolve import load_model
-    from ..data.texts import load_text
-    from .kv import kv_summary
-    from .measured_cache import measure_cache
-    from .perplexity import perplexity, tokenize_text
-
-    dtype = settings.torch_dtype()
-    net, tokenizer = load_model(str(spec), dtype=dtype, device=settings.device)
-    try:
-        limit = getattr(net.config, "max_position_embeddings", None)
-        if limit is not None and settings.seq_len > limit:
-            warn(f"--seq-len {settings.seq_len} is longer than {spec}'s {limit} positions (max_position_embeddings): "
-                 "perplexity past them measures extrapolation, not the model")
-        own = tokenize_text(tokenizer, load_text(settings.data, part="eval", text_field=settings.text_field))  # [N]
-        if ids is not None and not torch.equal(own, ids):
-            raise ValueError(f"{spec} tokenizes the text differently from the model it is compared with")
-        start, cpu = time.perf_counter(), time.process_time()
-        result = perplexity(net, own, seq_len=settings.seq_len, max_windows=settings.max_windows,
-                            stride=settings.stride, batch_size=settings.batch_size, progress=settings.progress)
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
-        measured = None
-        if settings.measure_tokens > 0:
-            prompt = own[: max(1, min(settings.prompt_tokens, own.numel()))]  # [P]
-            measured = measure_cache(net, prompt, settings.measure_tokens).to_dict()
-        kv = kv_summary(net.config, dtype, settings.context)
-        entry = rep.model_entry(str(spec), role, kv, result.to_dict(), measured, seconds)
-        entry["eval_cpu_seconds"] = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
-        if kv.get("method") is None and kv["attention"] == "MLA":
-            entry["method"] = "mla"
-        return Evaluated(entry, own, result.to_dict())
-    finally:
-        del net
-        gc.collect()
-
-
-def compare_report(evaluated: Sequence[Evaluated], settings: EvalSettings, command: str | None = None) -> dict[str, Any]:
-    """The report of one or two models (the source first when comparing), one protocol."""
-    models = [e.entry for e in evaluated]
-    report: dict[str, Any] = {
-        "protocol": rep.protocol_info(evaluated[0].ppl, settings.data, settings.text_field),
-        "context": settings.context,
-        "dtype": settings.dtype,
-        "models": models,
-        "comparison": rep.comparison(models[-1], models[0]) if len(models) == 2 else None,
-        "settings": settings.to_dict(),
-        "environment": rep.environment(),
-        "command": command or rep.command_line(),
-    }
-    return report
-
-
-# --- sweep ----------------------------------------------------------------------------------
+__all__ = ["options_for", "parse_budgets", "sweep", "write_sweep"]
 
 
 def parse_budgets(text: str | Sequence[float]) -> list[float]:
@@ -151,36 +45,33 @@ def parse_budgets(text: str | Sequence[float]) -> list[float]:
     return out
 
 
-# Options each method understands (ConvertOptions fields); others are not passed to it.
-METHOD_OPTIONS = {
-    "transmla": {"freqfold", "q_lora_rank", "propagate"},
-    "mha2mla": {"rope_pairs", "rope_select", "svd", "svd_weighting", "propagate"},
-}
-COMMON_OPTIONS = {"calib", "calib_samples", "calib_seq_len", "seed", "dtype", "device"}
+# The budget is set per point; the shape settings it derives cannot be given beside it.
+SHAPE_SETTINGS = {"kv_budget", "kv_lora_rank", "rope_dim"}
+COMMON_SETTINGS = {f.name for s in COMMON_SCHEMAS for f in fields(s)}
+
+
+def _method_settings(method: str) -> dict[str, Any]:
+    """This method's own settings (not the shape) and their defaults."""
+    return {f.name: f.default for f in fields(get_method(method).Options) if f.name not in SHAPE_SETTINGS}
 
 
 def method_overrides(method: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The ConvertOptions fields this method gets: the user's settings it understands."""
-    allowed = METHOD_OPTIONS.get(method, set()) | COMMON_OPTIONS
+    """The settings this method gets: the user's settings it (or every method) understands."""
+    allowed = set(_method_settings(method)) | COMMON_SETTINGS
     return {k: v for k, v in overrides.items() if v is not None and k in allowed}
 
 
 def _setting_label(method: str, overrides: Mapping[str, Any]) -> str:
-    """Non-default method settings, e.g. 'rope_select=2norm, svd_weighting=activation'."""
-    from ..convert.options import ConvertOptions
-
-    defaults = ConvertOptions()
-    keys = METHOD_OPTIONS.get(method, set())
+    """Non-default method settings, e.g. 'rope_select=2norm, svd_weighting=none'."""
+    own = _method_settings(method) | {"propagate": get_method(method).default_propagate}
     merged = method_overrides(method, overrides)
-    parts = [f"{k}={v}" for k, v in sorted(merged.items()) if k in keys and str(v) != str(getattr(defaults, k))]
+    parts = [f"{k}={v}" for k, v in sorted(merged.items()) if k in own and str(v) != str(own[k])]
     return ", ".join(parts)
 
 
-def options_for(method: str, budget: float, overrides: Mapping[str, Any] | None = None):
-    """The ConvertOptions of one sweep point (convert's defaults, then the user's settings)."""
-    from ..convert.options import ConvertOptions
-
-    return ConvertOptions(method=method, kv_budget=budget, force=True, **method_overrides(method, overrides or {}))
+def options_for(method: str, budget: float, overrides: Mapping[str, Any] | None = None) -> ConvertOptions:
+    """The ConvertOptions of one sweep point (the method's defaults, then the user's settings)."""
+    return ConvertOptions.of(method, kv_budget=budget, force=True, **method_overrides(method, overrides or {}))
 
 
 def sweep(
@@ -200,9 +91,6 @@ def sweep(
     to ``out_dir/models/<method>-<budget>`` and deleted after evaluation unless ``keep``.
     ``convert_fn`` replaces ``transmla.convert.api.convert`` (tests).
     """
-    from ..convert.api import convert as api_convert
-    from ..convert.methods import get_method
-
     settings = settings or EvalSettings()
     overrides = dict(convert_options or {})
     convert_fn = convert_fn or api_convert
@@ -224,9 +112,7 @@ def sweep(
     stderr_console.print(f"[bold]sweep[/bold]: evaluating the source model {source}")
     src = evaluate_model(source, settings, role="source")
     calib = {k: overrides.get(k) for k in ("calib", "calib_samples", "calib_seq_len", "seed") if overrides.get(k) is not None}
-    from ..convert.options import ConvertOptions
-
-    defaults = ConvertOptions()
+    defaults = ConvertOptions().calibration
     calib_text = ", ".join(
         f"{k}={calib.get(k, getattr(defaults, k) if getattr(defaults, k) is not None else 'method default')}"
         for k in ("calib", "calib_samples", "calib_seq_len", "seed")

@@ -1,8 +1,8 @@
 """MHA2MLA cache shape: R latent dims + g*2P rope dims per token per layer, checked before any work.
 
 The source caches 2*g*d elements per token per layer (K and V of g key heads). MHA2MLA caches the
-latent (R = --kv-lora-rank) and the kept rope pairs of every key head (P = --rope-pairs per head,
-2 dims each): R + g*2P. --kv-budget FRACTION fixes the total and derives R for the given P.
+latent (R = kv_lora_rank) and the kept rope pairs of every key head (P = rope_pairs per head,
+2 dims each): R + g*2P. kv_budget FRACTION fixes the total and derives R for the given P.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..families import AttentionGeometry
-from ..messages import warn as warn_user
+from ...families import AttentionGeometry
+from ...messages import warn as warn_user
 
 PUBLISHED_PAIRS_PER_HEAD_DIM = 16  # the paper keeps P = d/16 pairs (4 for d = 64, 8 for d = 128)
 
@@ -27,15 +27,15 @@ def mha2mla_budget(source_kv_elements: int, fraction: float, num_kv_heads: int, 
     R = floor(fraction * source) - g*2P. Raises ValueError when nothing is left for the latent.
     """
     if not isinstance(fraction, (int, float)) or not math.isfinite(fraction) or fraction <= 0:
-        raise ValueError(f"--kv-budget must be a fraction of the source cache in (0, 1], got {fraction!r}")
+        raise ValueError(f"kv_budget must be a fraction of the source cache in (0, 1], got {fraction!r}")
     total = math.floor(fraction * source_kv_elements + 1e-9)
     rope = num_kv_heads * 2 * rope_pairs
     rank = total - rope
     if rank < 1:
         raise ValueError(
-            f"--kv-budget {fraction:g} gives {total} cached elements per token per layer, but "
+            f"kv_budget {fraction:g} gives {total} cached elements per token per layer, but "
             f"{rope_pairs} rope pairs x {num_kv_heads} key heads already take {rope}; "
-            f"lower --rope-pairs or raise the budget"
+            f"lower rope_pairs or raise the budget"
         )
     return rank
 
@@ -73,17 +73,17 @@ def resolve_shape(
     kv_budget: float | None,
     warn: bool = True,
 ) -> MHA2MLAShape:
-    """Validate --rope-pairs / --kv-lora-rank / --kv-budget for a source geometry; one-line errors."""
+    """Validate rope_pairs / kv_lora_rank / kv_budget for a source geometry; one-line errors."""
     g, d = geometry.num_kv_heads, geometry.head_dim
     half = d // 2
     P = default_rope_pairs(d) if rope_pairs is None else rope_pairs
     if isinstance(P, bool) or not isinstance(P, int) or not 0 <= P <= half:
-        raise ValueError(f"--rope-pairs must be a whole number of pairs in 0..{half} (head_dim {d}), got {rope_pairs!r}")
+        raise ValueError(f"rope_pairs must be a whole number of pairs in 0..{half} (head_dim {d}), got {rope_pairs!r}")
     if kv_lora_rank is not None and kv_budget is not None:
-        raise ValueError("give either --kv-lora-rank or --kv-budget, not both")
+        raise ValueError("give either kv_lora_rank or kv_budget, not both")
     source = geometry.kv_elements_per_token_per_layer
     if kv_lora_rank is None and kv_budget is None:
-        raise ValueError("mha2mla needs the latent size: give --kv-lora-rank R or --kv-budget FRACTION")
+        raise ValueError("mha2mla needs the latent size: give kv_lora_rank R or kv_budget FRACTION")
     if kv_budget is not None:
         R = mha2mla_budget(source, kv_budget, g, P)
     else:
@@ -91,7 +91,7 @@ def resolve_shape(
     shape = MHA2MLAShape(rope_pairs=P, kv_lora_rank=R, num_kv_heads=g, head_dim=d)
     if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R <= shape.full_latent:
         raise ValueError(
-            f"--kv-lora-rank must be in 1..{shape.full_latent} (2*g*d - g*2P = 2*{g}*{d} - {g}*{2 * P}), got {R!r}"
+            f"kv_lora_rank must be in 1..{shape.full_latent} (2*g*d - g*2P = 2*{g}*{d} - {g}*{2 * P}), got {R!r}"
         )
     if warn and shape.kv_elements >= source:
         warn_user(

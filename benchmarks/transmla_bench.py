@@ -42,9 +42,10 @@ import torch
 
 import transmla  # noqa: F401
 from transmla.checkpoint.resolve import cache_root, load_config, resolve_model_dir
-from transmla.convert.calibrate import assemble_model, calibrated_layers, collect_layer_stats
-from transmla.convert.pipeline import source_layers
-from transmla.convert.transmla_method import TransMLAPlan, convert_layer, published_plan
+from transmla.convert.assemble import assemble_model
+from transmla.convert.calibrate import calibrated_layers, collect_layer_stats
+from transmla.convert.layers import source_layers
+from transmla.convert.transmla.method import TransMLAPlan, convert_layer, published_plan
 from transmla.data.calib import calibration_chunks
 from transmla.data.texts import load_text
 from transmla.eval.perplexity import perplexity, tokenize_text
@@ -214,7 +215,7 @@ def summarize_infos(infos) -> dict:
 
 
 def ours_plan(budget: str, **overrides) -> TransMLAPlan:
-    from transmla.convert.transmla_method import default_plan
+    from transmla.convert.transmla.method import default_plan
 
     R, r, _ = BUDGETS[budget]
     return replace(default_plan(R, r), **overrides)
@@ -348,11 +349,11 @@ def phase_dev32(b: Bench, only: str | None = None) -> None:
 
 def cli_defaults() -> tuple[tuple[int, int, int], str]:
     """The calibration (samples, tokens, seed) and propagation `transmla convert` uses by default."""
-    from transmla.convert.options import ConvertOptions
-    from transmla.convert.transmla_method import DEFAULT_CALIBRATION, DEFAULT_PROPAGATE
+    from transmla.convert.options import CalibrationOptions
+    from transmla.convert.registry import get_method
 
-    o = ConvertOptions()
-    return (*o.calibration_size(DEFAULT_CALIBRATION), o.seed), DEFAULT_PROPAGATE
+    method, o = get_method("transmla"), CalibrationOptions()
+    return (*o.size(method.default_calibration), o.seed), o.propagate or method.default_propagate
 
 
 def phase_final(b: Bench, only: str | None = None) -> None:

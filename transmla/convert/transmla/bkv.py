@@ -1,6 +1,6 @@
 """BKV balance and the joint PCA of [K_nope/alpha; V]: the latent of TransMLA (ALGORITHMS.md 3-5).
 
-Input: the partial-RoPE layer (rope.PartialRope: shared rope key, per-head rope queries, the NoPE
+Input: the partial-RoPE layer (rorope.PartialRope: shared rope key, per-head rope queries, the NoPE
 key components k_nope shared by all heads, and nope_to_head[j] mapping them back to head j's key
 coordinates) plus the source V and the calibration gram G = E[[x;1][x;1]^T].
 
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers import MLALayer
-from .lowrank import low_rank, with_bias_column
-from .rope import PartialRope
+from ..layers import MLALayer
+from ..lowrank import low_rank, with_bias_column
+from .rorope import PartialRope
 
 
 def bkv_alpha(k_nope: torch.Tensor, wv: torch.Tensor, gram: torch.Tensor) -> float:
@@ -102,7 +102,7 @@ def attention_metric(
 ) -> AttentionMetric:
     """The metric of the attention-weighted PCA.
 
-    nope_to_head [g, d, g*d - r] (rope.PartialRope), query_moments [g, d, d] = sum over group j's
+    nope_to_head [g, d, g*d - r] (rorope.PartialRope), query_moments [g, d, d] = sum over group j's
     query heads of E[q_h q_h^T] (None: keys unweighted, M_K = I), wo [D, H*d].
     """
     g, d, nn = nope_to_head.shape

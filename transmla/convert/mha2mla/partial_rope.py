@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import MLALayer
+from ..layers import MLALayer
 
 STRATEGIES = ("high", "low", "uniform", "2norm")
 

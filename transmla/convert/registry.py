@@ -1,0 +1,19 @@
+"""The conversion methods by name. Adding one: a folder with its ConversionMethod, and a line here."""
+
+from __future__ import annotations
+
+from .lossless.method import Lossless
+from .method import ConversionMethod
+from .mha2mla.method import MHA2MLA
+from .transmla.method import TransMLA
+
+METHODS: dict[str, ConversionMethod] = {m.name: m for m in (Lossless(), TransMLA(), MHA2MLA())}
+
+
+def get_method(name: str) -> ConversionMethod:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+__all__ = ["METHODS", "get_method"]
