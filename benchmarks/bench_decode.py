@@ -1,8 +1,8 @@
 """Absorbed-MLA decode speed on a CUDA GPU: how close the Triton kernel gets to the memory bandwidth.
 
-    python eval/bench_decode.py --out eval/results           # full sweep + tuning (GPU, a few minutes)
-    python eval/bench_decode.py --out /tmp/decode --quick    # smoke run (GPU, ~1 minute)
-    python eval/bench_decode.py --out /tmp/decode --dry-run  # CPU plumbing check, meaningless numbers
+    python -m benchmarks.bench_decode --out benchmarks/results           # full sweep + tuning (GPU, a few minutes)
+    python -m benchmarks.bench_decode --out /tmp/decode --quick    # smoke run (GPU, ~1 minute)
+    python -m benchmarks.bench_decode --out /tmp/decode --dry-run  # CPU plumbing check, meaningless numbers
 
 Sweep: T in {1K, 2K, 4K, 8K, 16K, 32K} x H in {8, 16, 32, 64, 128} at B = 64 (halved while the
 benchmark's estimated peak memory exceeds --mem-limit-gb), MLA 512+64 bf16, T_q = 1. Each point
@@ -28,13 +28,11 @@ import time
 import traceback
 from pathlib import Path
 
+from .common import log
+
 GOAL_FRACTION = 0.70
 GOAL = dict(batch=64, context=8192, heads=32)
 LLAMA3_8B = dict(context=32768, heads=32, gqa_kv_heads=8, gqa_head_dim=128)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None):
@@ -56,13 +54,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
 
     from transmla.eval import decode_bench as db
 
     if not args.dry_run and not torch.cuda.is_available():
-        print("error: eval/bench_decode.py needs a CUDA GPU (use --dry-run for a CPU plumbing check)",
+        print("error: benchmarks.bench_decode needs a CUDA GPU (use --dry-run for a CPU plumbing check)",
               file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +243,7 @@ def render_markdown(meta: dict, rows: list[dict], Ts, Hs) -> str:
         for r in cmp_rows:
             L.append(f"| {r['impl']} | {r['cache_elems_per_token']} | {r['bytes'] / 1e6:.1f} | {r['ms']:.4f} | "
                      f"{r['gbps']:.0f} | {r['bandwidth_fraction']:.1%} | {r.get('x_vs_mla_triton', float('nan')):.2f} |")
-    L += ["", "Produced by `python eval/bench_decode.py` (see its docstring); raw rows in decode_bench.json.", ""]
+    L += ["", "Produced by `python -m benchmarks.bench_decode` (see its docstring); raw rows in decode_bench.json.", ""]
     return "\n".join(L)
 
 

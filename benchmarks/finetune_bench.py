@@ -7,11 +7,11 @@ CALIBRATION text, evaluated on the wiki EVALUATION text (ANCHORS.md protocol: no
 
     gap recovered = (ppl_converted - ppl_finetuned) / (ppl_converted - ppl_source)
 
-Goal: at least 0.5. Writes eval/results/finetune_smollm2.{json,md}, the training and evaluation
+Goal: at least 0.5. Writes benchmarks/results/finetune_smollm2.{json,md}, the training and evaluation
 logs (CSV) and the curves (PNG). Run:
 
-    .venv/bin/python eval/finetune_bench.py                      # recipes/smollm2_cpu_bench.yaml
-    .venv/bin/python eval/finetune_bench.py --recipe R.yaml --set train.steps=100 --name finetune_x
+    .venv/bin/python -m benchmarks.finetune_bench                      # recipes/smollm2_cpu_bench.yaml
+    .venv/bin/python -m benchmarks.finetune_bench --recipe R.yaml --set train.steps=100 --name finetune_x
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "eval" / "results"
-sys.path.insert(0, str(ROOT))
+from .common import RESULTS, ROOT, machine
+
 
 
 def source_perplexity(source: str, recipe, threads: int | None) -> dict:
@@ -47,9 +46,8 @@ def source_perplexity(source: str, recipe, threads: int | None) -> dict:
 
 
 def _machine() -> str:
-    from transmla.eval.report import environment
 
-    env = environment()
+    env = machine()
     return (f"{env['machine']}, {env['gpu'] or 'no GPU'}, torch {env['torch']}, transformers {env['transformers']}; "
             f"load average {env['load_average']:.1f} at the start")
 
@@ -95,7 +93,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/smollm2_cpu_bench.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--name", default="finetune_smollm2", help="result file stem under eval/results/")
+    ap.add_argument("--name", default="finetune_smollm2", help="result file stem under benchmarks/results/")
     ap.add_argument("--source", default="smollm2-135m")
     ap.add_argument("--source-ppl-json", default=None, help="reuse a source perplexity measured before (JSON of PerplexityResult)")
     ap.add_argument("--notes", default=None, help="a paragraph appended to the Markdown report")
@@ -131,7 +129,7 @@ def main() -> int:
         "name": args.name,
         "machine": machine,
         "recipe_file": args.recipe,
-        "command": "python eval/finetune_bench.py " + " ".join(f"--set {o}" for o in args.overrides),
+        "command": "python -m benchmarks.finetune_bench " + " ".join(f"--set {o}" for o in args.overrides),
         "recipe": recipe.dump(),
         "source": source,
         "converted": start,

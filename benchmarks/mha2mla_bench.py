@@ -1,7 +1,7 @@
 """MHA2MLA, training-free, on the built-in SmolLM2-135M (GQA) and its MHA copy.
 
-    python eval/mha2mla_bench.py            # run (resumes: settings already in the JSON are skipped)
-    python eval/mha2mla_bench.py --report   # only rewrite the Markdown table and the plot
+    python -m benchmarks.mha2mla_bench            # run (resumes: settings already in the JSON are skipped)
+    python -m benchmarks.mha2mla_bench --report   # only rewrite the Markdown table and the plot
 
 Grid: selection {high, low, uniform, 2norm} x SVD {joint, split} x weighting {none, activation}
 at 50 / 25 / 12.5% of the source cache (384 elements per token per layer: 192 / 96 / 48), with
@@ -30,15 +30,13 @@ import fnmatch
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "eval" / "results"
+from .common import RESULTS, log, machine
+
 JSON_PATH = RESULTS / "mha2mla_smollm2.json"
 MD_PATH = RESULTS / "mha2mla_smollm2.md"
 PNG_PATH = RESULTS / "mha2mla_smollm2.png"
@@ -59,10 +57,6 @@ ANCHOR_MHA2MLA = {0.5: 853.0, 0.25: 5364.0, 0.125: 76568.0}  # public MHA2MLA S_
 ANCHOR_MHA2MLA_2NORM = {0.5: 1545.0, 0.25: 12189.0, 0.125: 79107.0}
 ANCHOR_TRANSMLA = {0.5: 33.18, 0.25: 83.60, 0.125: 258.71}  # public TransMLA best at each budget
 ANCHOR_SOURCE = 18.15
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def key(model: str, budget: float, select: str, svd: str, weighting: str, pairs: int) -> str:
@@ -105,14 +99,13 @@ def main_run(args) -> None:
     from transmla.data.calib import calibration_chunks
     from transmla.data.texts import load_text
     from transmla.eval.perplexity import perplexity, tokenize_text
-    from transmla.eval.report import environment
     from transmla.families import attention_geometry
 
     torch.set_num_threads(args.threads)
     data = load_results()
     data.setdefault("settings", {})
     data["meta"] = {
-        **environment(),
+        **machine(),
         "model": "smollm2-135m (SmolLM2-135M-Instruct, built-in GGUF dequantized, fp32)",
         "protocol": PROTOCOL,
         "source_kv_elements_per_token_per_layer": SOURCE_ELEMENTS,
@@ -367,7 +360,7 @@ def write_report(data: dict) -> None:
         "screening; " + ("each was then re-run on the full 32 wiki + 29 lee windows, the number shown."
                          if best_full else "those not marked * were then re-run on the full windows.")
         + " The CLI defaults column calibrates on the same 32,768 tokens cut into 2048 x 16, chosen on dev windows "
-        "(eval/results/mha2mla_calib_shape.md); every grid cell uses 64 x 512.",
+        "(benchmarks/results/mha2mla_calib_shape.md); every grid cell uses 64 x 512.",
         "",
         f"Which wins where, and why: TransMLA wins at every budget, training-free: its wiki perplexity is "
         f"{' / '.join(vs_best)} lower than our best MHA2MLA conversion at 50 / 25 / 12.5%, and {' / '.join(vs_published)} "
@@ -412,7 +405,7 @@ def best_screened(settings: dict, budget: float) -> dict | None:
 
 
 def cli_defaults_by_budget() -> dict:
-    """MHA2MLA with its CLI defaults (their calibration shape), wiki-test 32 windows, from eval/mha2mla_calib_shape.py."""
+    """MHA2MLA with its CLI defaults (their calibration shape), wiki-test 32 windows, from benchmarks.mha2mla_calib_shape."""
     from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION
 
     path = RESULTS / "mha2mla_calib_shape.json"
@@ -424,7 +417,7 @@ def cli_defaults_by_budget() -> dict:
 
 
 def transmla_by_budget() -> dict:
-    """TransMLA (our defaults) wiki-test perplexity (32 windows) and its plan by budget, from eval/results/transmla_bench.json."""
+    """TransMLA (our defaults) wiki-test perplexity (32 windows) and its plan by budget, from benchmarks/results/transmla_bench.json."""
     path = RESULTS / "transmla_bench.json"
     if not path.is_file():
         return {}

@@ -1,42 +1,35 @@
 """Does MHA2MLA's activation-aware SVD gain from short calibration sequences, as TransMLA did?
 
-TransMLA's dev32 run (eval/results/transmla_bench.md) found that the same 32,768 calibration
+TransMLA's dev32 run (benchmarks/results/transmla_bench.md) found that the same 32,768 calibration
 tokens cut into 2048 sequences of 16 beat the published 128 x 256 (and our old 64 x 512) at every
 budget. This script asks the same question of MHA2MLA with its CLI defaults (high selection, joint
 SVD, activation weighting, P = 4, original propagation) at 50 / 25 / 12.5% of the cache:
 calibration shapes 64 x 512 (its default), 512 x 64 and 2048 x 16, all seed 0 on the wiki
 calibration part, each judged on the dev32 windows (16 from the end of the wiki calibration part +
 16 from the lee calibration part; no test window is read). Writes
-eval/results/mha2mla_calib_shape.{json,md}; `--final 2048x16` then adds the chosen shape's test
+benchmarks/results/mha2mla_calib_shape.{json,md}; `--final 2048x16` then adds the chosen shape's test
 perplexities. Run:
 
-    .venv/bin/python eval/mha2mla_calib_shape.py [--threads 1]
-    .venv/bin/python eval/mha2mla_calib_shape.py --final 2048x16
+    .venv/bin/python -m benchmarks.mha2mla_calib_shape [--threads 1]
+    .venv/bin/python -m benchmarks.mha2mla_calib_shape --final 2048x16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "eval" / "results"
-sys.path.insert(0, str(ROOT / "eval"))
-sys.path.insert(0, str(ROOT))
+from transmla.convert.assemble import assemble_model
+from transmla.convert.calibrate import LayerStats
+from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION, MHA2MLAOptions
+from transmla.convert.registry import get_method
+from transmla.families import attention_geometry
 
-from transmla_bench import Bench, log  # noqa: E402
-
-from transmla.convert.assemble import assemble_model  # noqa: E402
-from transmla.convert.mha2mla.budget import resolve_shape  # noqa: E402
-from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION, MHA2MLASettings, mha2mla_layer  # noqa: E402
-from transmla.eval.report import environment  # noqa: E402
-from transmla.families import attention_geometry  # noqa: E402
+from .common import RESULTS, log, machine
+from .transmla_bench import Bench
 
 SHAPES = [(64, 512), (512, 64), (2048, 16)]  # sequences x tokens: 32,768 tokens each
 BUDGETS = [0.5, 0.25, 0.125]
@@ -46,18 +39,19 @@ JSON_PATH = RESULTS / "mha2mla_calib_shape.json"
 MD_PATH = RESULTS / "mha2mla_calib_shape.md"
 
 
-def stats_for(b: Bench, n: int, t: int) -> list[SimpleNamespace]:
+def stats_for(b: Bench, n: int, t: int) -> list[LayerStats]:
     """Each layer's input gram under original propagation (shared with the TransMLA bench's cache);
     the high selection reads no pair norms."""
-    return [SimpleNamespace(gram=g, q_pair_norm=None, k_pair_norm=None) for g in b.original_grams(n, t, 0)]
+    return [LayerStats(gram=g, tokens=n * t) for g in b.original_grams(n, t, 0)]
 
 
-def cli_default_model(b: Bench, stats: list[SimpleNamespace], budget: float):
-    """(model, shape): MHA2MLA with the CLI's settings (high, joint, activation, default P) at this budget."""
-    shape = resolve_shape(attention_geometry(b.config), None, None, budget)
-    settings = MHA2MLASettings(shape, "high", "joint", "activation")
-    layers = [mha2mla_layer(src, settings, st)[0] for src, st in zip(b.sources, stats)]
-    return assemble_model(b.src_dir, b.config, layers, settings.describe()), shape
+def cli_default_model(b: Bench, stats: list[LayerStats], budget: float):
+    """(model, shape): MHA2MLA with the CLI's settings (its defaults: high, joint, activation, default P)
+    at this budget, through the method's own plan and layer conversion."""
+    method = get_method("mha2mla")
+    plan = method.plan(attention_geometry(b.config), MHA2MLAOptions(kv_budget=budget))
+    layers = [method.convert_layer(plan, src, st)[0] for src, st in zip(b.sources, stats)]
+    return assemble_model(b.src_dir, b.config, layers, method.describe(plan)), plan.shape
 
 
 def save(data: dict, name: str) -> None:
@@ -69,7 +63,7 @@ def run(threads: int) -> dict:
     torch.set_num_threads(threads)
     b = Bench()
     data = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"results": {}}
-    data["meta"] = {**environment(), "threads": threads}
+    data["meta"] = {**machine(), "threads": threads}
     tm = json.loads((RESULTS / "transmla_bench.json").read_text())["results"]  # dev32 numbers, same windows
     data["source"] = tm.get("dev32/source") or b.dev32_ppl(b.source_model())
     data["transmla_ours"] = {k: tm[f"dev32/{k}/{TRANSMLA_DEFAULT}"] for k in ("50%", "25%", "12.5%")
@@ -95,7 +89,7 @@ def run(threads: int) -> dict:
 
 def final(threads: int, shape: tuple[int, int]) -> dict:
     """Test perplexities of one calibration shape (wiki-test 32 + 64 windows, lee-test 29), next to the
-    64 x 512 numbers of the same setting in eval/results/mha2mla_smollm2.json (same windows)."""
+    64 x 512 numbers of the same setting in benchmarks/results/mha2mla_smollm2.json (same windows)."""
     torch.set_num_threads(threads)
     b = Bench()
     data = json.loads(JSON_PATH.read_text())
@@ -148,7 +142,7 @@ def report(data: dict) -> None:
         lines += ["## Test windows", "",
                   "The same setting on the test windows (wiki-test: first 32 windows of the wiki evaluation part, "
                   "as in every other table; lee-test: its 29 windows). The 64 x 512 numbers are the grid's "
-                  "(eval/results/mha2mla_smollm2.json, same setting, same windows).", "",
+                  "(benchmarks/results/mha2mla_smollm2.json, same setting, same windows).", "",
                   "| cache | calibration | wiki-test 32 | lee-test 29 | wiki-test 64 |", "|---|---|---|---|---|"]
         for budget in BUDGETS:
             old_cell = grid.get(f"gqa|{budget}|high|joint|activation|P4")

@@ -1,7 +1,7 @@
 """Our published results for the built-in model: every method, three budgets, two texts.
 
-    .venv/bin/python eval/run_all.py --compute        # compute the CLI-path rows still missing (resumes)
-    .venv/bin/python eval/run_all.py                  # only rebuild summary.{json,md,png} from results on disk
+    .venv/bin/python -m benchmarks.run_all --compute        # compute the CLI-path rows still missing (resumes)
+    .venv/bin/python -m benchmarks.run_all                  # only rebuild summary.{json,md,png} from results on disk
 
 Model: smollm2-135m (SmolLM2-135M-Instruct, the built-in GGUF dequantized to fp32), 384 cached
 elements per token per layer. Budgets: 50 / 25 / 12.5% of that cache. Texts: the evaluation parts
@@ -13,14 +13,14 @@ Where the numbers come from (each row of the summary names its source):
 1. cli: computed here (`--compute`) through the path a user takes: `transmla convert smollm2-135m
    OUT --method M --kv-budget B` with default settings (written to disk, loaded back), then the
    evaluation of `transmla eval` / `transmla sweep` (transmla.eval.sweep.evaluate_model). Cached in
-   eval/results/run_all_cli.json, so an interrupted run resumes.
-2. sweep: eval/results/sweep_<method>/sweep.json, written by `transmla sweep` (wiki only).
-3. bench: read, not recomputed, from eval/results/transmla_bench.json (eval/transmla_bench.py)
-   and eval/results/mha2mla_smollm2.json (eval/mha2mla_bench.py): the published algorithms as
+   benchmarks/results/run_all_cli.json, so an interrupted run resumes.
+2. sweep: benchmarks/results/sweep_<method>/sweep.json, written by `transmla sweep` (wiki only).
+3. bench: read, not recomputed, from benchmarks/results/transmla_bench.json (benchmarks.transmla_bench)
+   and benchmarks/results/mha2mla_smollm2.json (benchmarks.mha2mla_bench): the published algorithms as
    their public code runs them, and every variant those benchmarks try.
 4. public: the public TransMLA / MHA2MLA code on the same model and protocol (ANCHORS.md), wiki only.
 
-Writes eval/results/summary.json, summary.md and summary.png.
+Writes benchmarks/results/summary.json, summary.md and summary.png.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ import argparse
 import json
 import math
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "eval" / "results"
+from .common import RESULTS, load_json, log, machine
+
 CLI_JSON = RESULTS / "run_all_cli.json"
 MODEL = "smollm2-135m"
 SOURCE_ELEMENTS = 384
@@ -57,14 +55,6 @@ PROTOCOL = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def load_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 # --- 1. computed here -------------------------------------------------------------------------
 
 
@@ -72,14 +62,13 @@ def compute(methods: tuple[str, ...], budgets: tuple[float, ...], keep_models: b
     """The CLI-path matrix: source + each method's default settings at each budget, both texts."""
     from transmla.checkpoint.resolve import cache_root
     from transmla.convert.api import convert
-    from transmla.eval.report import environment
     from transmla.eval.evaluate import EvalSettings, evaluate_model
     from transmla.sweep import options_for
 
     data = load_json(CLI_JSON)
     data.setdefault("rows", {})
     data["protocol"] = PROTOCOL
-    data["environment"] = environment()
+    data["environment"] = machine()
 
     def save() -> None:
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -163,7 +152,7 @@ def sweep_rows() -> tuple[list[dict], dict]:
 
 
 def mha2mla_bench_rows() -> tuple[list[dict], dict]:
-    """eval/results/mha2mla_smollm2.json: the GQA model, full protocol only."""
+    """benchmarks/results/mha2mla_smollm2.json: the GQA model, full protocol only."""
     data = load_json(RESULTS / "mha2mla_smollm2.json")
     rows, source = [], {}
     src = data.get("source", {})
@@ -180,7 +169,7 @@ def mha2mla_bench_rows() -> tuple[list[dict], dict]:
                              v[text]["perplexity"], tokens=v[text]["tokens"], kv_elements=v["kv_elements"],
                              shape=f"{v['kv_lora_rank']} + {v['kv_elements'] - v['kv_lora_rank']}",
                              paper=(v["select"], v["svd"], v["weighting"]) == ("high", "joint", "none")))
-    # the CLI defaults (2048 x 16 calibration) on the same test windows, from eval/mha2mla_calib_shape.py
+    # the CLI defaults (2048 x 16 calibration) on the same test windows, from benchmarks.mha2mla_calib_shape
     shape = load_json(RESULTS / "mha2mla_calib_shape.json").get("results", {})
     for k, v in shape.items():
         if k.startswith("final/"):
@@ -200,7 +189,7 @@ _TRANSMLA_LABELS = {  # transmla_bench result names -> what they are
 
 
 def transmla_bench_rows() -> tuple[list[dict], dict]:
-    """eval/results/transmla_bench.json: every entry holding final wiki/lee numbers.
+    """benchmarks/results/transmla_bench.json: every entry holding final wiki/lee numbers.
 
     Read by shape (an entry with "wiki_test_32" and "lee_test"; its budget named "50%" / "25%" /
     "12.5%" in its key or its "budget" field), so the summary follows that benchmark as it grows.
@@ -255,7 +244,6 @@ def fmt(x: float | None) -> str:
 
 
 def summarize() -> dict:
-    from transmla.eval.report import environment
 
     parts = {"cli": cli_rows(), "sweep": sweep_rows(), "bench:transmla": transmla_bench_rows(),
              "bench:mha2mla": mha2mla_bench_rows()}
@@ -277,7 +265,7 @@ def summarize() -> dict:
         "source_perplexity": sources,
         "rows": rows,
         "best": [best[k] for k in sorted(best, key=lambda k: (k[0], -k[1], k[2]))],
-        "environment_of_summary": environment(),
+        "environment_of_summary": machine(),
         "machines": {
             "cli": load_json(CLI_JSON).get("environment"),
             "bench:mha2mla": load_json(RESULTS / "mha2mla_smollm2.json").get("meta"),
@@ -310,8 +298,8 @@ def render_markdown(summary: dict) -> str:
         "",
         "Columns: text and kept fraction of the source KV cache (50% = 192, 25% = 96, 12.5% = 48 elements per "
         "token per layer). `from`: cli = `transmla convert --kv-budget` with default settings, written to disk and "
-        "evaluated as `transmla eval` does (eval/run_all.py --compute); sweep = `transmla sweep` output; bench = "
-        "eval/transmla_bench.py / eval/mha2mla_bench.py results (models assembled in memory); public = the public "
+        "evaluated as `transmla eval` does (python -m benchmarks.run_all --compute); sweep = `transmla sweep` output; bench = "
+        "benchmarks.transmla_bench / benchmarks.mha2mla_bench results (models assembled in memory); public = the public "
         "peers' own code (ANCHORS.md, wiki only). Lower is better; – = not measured.",
         "",
         "| " + " | ".join(header) + " |",
@@ -341,7 +329,7 @@ def render_markdown(summary: dict) -> str:
     lines += ["Machines: " + "; ".join(
         f"{k}: " + (v.get("machine", "?") + (f", torch {v.get('torch')}, transformers {v.get('transformers')}" if v.get("torch") else ""))
         for k, v in m.items() if isinstance(v, dict)) + ".", ""]
-    lines += ["Re-run: see eval/README.md.", ""]
+    lines += ["Re-run: see benchmarks/README.md.", ""]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """TransMLA on the built-in SmolLM2-135M: the published algorithm against our choices.
 
-    .venv/bin/python eval/transmla_bench.py               # every phase (resumes from its cache)
-    .venv/bin/python eval/transmla_bench.py --phase dev32 [--only NAME]   # one dev32 candidate
+    .venv/bin/python -m benchmarks.transmla_bench               # every phase (resumes from its cache)
+    .venv/bin/python -m benchmarks.transmla_bench --phase dev32 [--only NAME]   # one dev32 candidate
 
 Training-free perplexity at 50 / 25 / 12.5% of the source KV cache (R + r = 128+64, 64+32,
 32+16), 512-token non-overlapping windows, fp32, on this machine's CPU:
@@ -20,7 +20,7 @@ plain NoPE, uncentred PCA, freqfold 2 / 4 / 4 (the settings of the public number
 Ours = the defaults of `transmla convert --method transmla` (transmla_method.default_plan, the
 ConvertOptions calibration size and transmla_method.DEFAULT_PROPAGATE), chosen on dev32.
 
-Writes eval/results/transmla_bench.json, transmla_bench.md and transmla_ppl_vs_cache.png.
+Writes benchmarks/results/transmla_bench.json, transmla_bench.md and transmla_ppl_vs_cache.png.
 Intermediate results are cached under $TRANSMLA_CACHE/bench-transmla (statistics and every
 perplexity), so an interrupted run resumes.
 """
@@ -36,7 +36,6 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -49,11 +48,10 @@ from transmla.convert.transmla.method import TransMLAPlan, convert_layer, publis
 from transmla.data.calib import calibration_chunks
 from transmla.data.texts import load_text
 from transmla.eval.perplexity import perplexity, tokenize_text
-from transmla.eval.report import environment
 from transmla.families import attention_geometry
 
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
+from .common import RESULTS, ResultCache, log, machine
+
 CACHE = cache_root() / "bench-transmla"
 MODEL = "smollm2-135m"
 SEQ = 512
@@ -61,10 +59,6 @@ BUDGETS = {"50%": (128, 64, 2), "25%": (64, 32, 4), "12.5%": (32, 16, 4)}  # R, 
 ANCHOR_PUBLIC = {"source": 18.15, "50%": 33.18, "25%": 83.60, "12.5%": 258.71}  # ANCHORS.md, 32 windows
 PUBLISHED_CALIB = (128, 256, 42)
 DEV_WINDOWS = 16  # per text in the dev32 set
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 class Bench:
@@ -76,8 +70,8 @@ class Bench:
 
         self.tok = AutoTokenizer.from_pretrained(str(self.src_dir))
         self.sources = list(source_layers(self.src_dir, self.config))
-        self.results_path = CACHE / "results.json"
-        self.results = json.loads(self.results_path.read_text()) if self.results_path.exists() else {}
+        self.cache = ResultCache(CACHE / "results.json")  # several bench processes may share it
+        self.results, self.cached, self.save = self.cache.results, self.cache.cached, self.cache.save
         wiki_calib = tokenize_text(self.tok, load_text("wiki", "calib"))
         self.dev_ids = wiki_calib[-8 * SEQ :]  # [4096]
         self.dev_start = wiki_calib.numel() - 8 * SEQ
@@ -90,26 +84,6 @@ class Bench:
         self.lee64_ids = lee_calib[DEV_WINDOWS * SEQ : (DEV_WINDOWS + 64) * SEQ]
         self.wiki = tokenize_text(self.tok, load_text("wiki", "eval"))
         self.lee = tokenize_text(self.tok, load_text("lee", "eval"))
-
-    # -- cache ---------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Write the results, merged with what other bench processes wrote meanwhile (ours win)."""
-        on_disk = json.loads(self.results_path.read_text()) if self.results_path.exists() else {}
-        self.results = {**on_disk, **self.results}
-        tmp = self.results_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.results, indent=1, sort_keys=True))
-        tmp.replace(self.results_path)
-
-    def cached(self, key: str, fn):
-        if key not in self.results:
-            start = time.perf_counter()
-            value = fn()
-            if isinstance(value, dict):
-                value.setdefault("seconds", round(time.perf_counter() - start, 1))
-            self.results[key] = value
-            self.save()
-            log(f"{key}: {value}")
-        return self.results[key]
 
     # -- calibration ---------------------------------------------------------------------------
     def calib_ids(self, n: int, t: int, seed: int) -> torch.Tensor:
@@ -432,7 +406,7 @@ def phase_time(b: Bench) -> None:
 def report(b: Bench) -> None:
     r = b.results
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"machine": environment(), "model": MODEL, "budgets": {k: {"kv_lora_rank": v[0], "rope_dim": v[1]} for k, v in BUDGETS.items()},
+    out = {"machine": machine(), "model": MODEL, "budgets": {k: {"kv_lora_rank": v[0], "rope_dim": v[1]} for k, v in BUDGETS.items()},
            "public_transmla_anchor_wiki_test_32": ANCHOR_PUBLIC, "results": r}
     (RESULTS / "transmla_bench.json").write_text(json.dumps(out, indent=1, sort_keys=True))
     src = r.get("final/source", {})
@@ -440,7 +414,7 @@ def report(b: Bench) -> None:
         "# TransMLA on SmolLM2-135M: published vs ours (training-free)",
         "",
         f"Machine: {out['machine']['machine']}, {out['machine']['threads']} thread(s), torch {out['machine']['torch']}, "
-        f"transformers {out['machine']['transformers']}, fp32. Re-run: `python eval/transmla_bench.py`.",
+        f"transformers {out['machine']['transformers']}, fp32. Re-run: `python -m benchmarks.transmla_bench`.",
         "Perplexity: token-level exp(mean NLL) over non-overlapping 512-token windows; wiki-test = the first 64 "
         "windows of the built-in wiki evaluation part (32 = the ANCHORS.md protocol); lee-test = all 29 windows of "
         "the lee evaluation part (it has no more); lee-64 = 64 more lee windows, the ones after the dev windows in "

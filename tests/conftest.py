@@ -17,23 +17,26 @@ TINY = dict(
     num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
     tie_word_embeddings=False,
 )
-FAMILY_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+# Per family, what the tiny models set beyond TINY (the class names come from transmla.families).
+FAMILY_EXTRAS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": None},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
 
 
 def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: bool = False, **overrides):
     """A tiny random model (fp32); saved to `path` when given. Biases are made non-zero."""
-    config_name, model_name, extra = FAMILY_CLASSES[family]
-    kwargs = {**TINY, **extra, **overrides}
+    from transmla.families import FAMILIES
+
+    spec = FAMILIES[family]
+    kwargs = {**TINY, **FAMILY_EXTRAS[family], **overrides}
     if family == "llama" and bias:
         kwargs["attention_bias"] = True
-    config = getattr(transformers, config_name)(**kwargs)
+    config = getattr(transformers, spec.config_class)(**kwargs)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).float().eval()
+    model = getattr(transformers, spec.causal_lm_class)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

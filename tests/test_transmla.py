@@ -15,7 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import transmla  # noqa: F401  (registers the MLA models)
-from transmla.convert.transmla.bkv import augmented, bkv_alpha, joint_pca
+from transmla.convert.lowrank import with_bias_column
+from transmla.convert.transmla.bkv import bkv_alpha, joint_pca
 from transmla.convert.transmla.budget import transmla_budget, validate_transmla_shape
 from transmla.convert.assemble import assemble_model
 from transmla.convert.calibrate import _mla_attention, collect_layer_stats
@@ -37,6 +38,7 @@ from transmla.convert.transmla.method import (
     choose_rope,
     convert_layer,
     TransMLAOptions,
+    augmented_maps,
     plan_from_options,
     published_plan,
     stage_layers,
@@ -201,7 +203,7 @@ def test_attention_metric_lowers_the_error_it_weighs(tiny_factory):
     plan = TransMLAPlan(kv_lora_rank=6, rope_dim=4, freqfold=2)
     m = LayerMoments.of(src, gram)
     choice, _ = choose_rope(src, m, plan)
-    wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
+    wq, wk, wv = augmented_maps(src)
     part = split_rope(wq, wk, H, choice.rotation, choice.kept, choice.inv_freq)
     metric = attention_metric(part.nope_to_head, m.query, src.wo, H)
     m_k, m_v = metric.key @ metric.key, metric.value @ metric.value
@@ -223,8 +225,8 @@ def test_bkv_balances_column_norms(tiny_factory):
     _, path = tiny_factory("llama")
     _, srcs, stats = _stats(path)
     src, gram = srcs[0], stats[0].gram
-    k = augmented(src.wk, src.bk) * 7.0  # a key much larger than the value
-    v = augmented(src.wv, src.bv)
+    k = with_bias_column(src.wk, src.bk, torch.float64) * 7.0  # a key much larger than the value
+    v = with_bias_column(src.wv, src.bv, torch.float64)
     alpha = bkv_alpha(k, v, gram)
     col = lambda w: torch.einsum("od,de,oe->o", w, gram, w).sqrt().mean()  # noqa: E731
     assert col(k / alpha) == pytest.approx(float(col(v)), rel=1e-9)

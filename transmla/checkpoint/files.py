@@ -1,4 +1,4 @@
-"""Copying the non-weight files (tokenizer, generation config) a checkpoint needs."""
+"""The files of a checkpoint folder by name, and copying the non-weight ones (tokenizer, generation config)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+SINGLE_FILE = "model.safetensors"  # an unsharded checkpoint
+INDEX_FILE = "model.safetensors.index.json"  # a sharded one: tensor name -> shard
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",

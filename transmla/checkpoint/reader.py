@@ -10,10 +10,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .files import INDEX_FILE, SINGLE_FILE
 from .finite import require_finite
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors header dtype strings -> torch dtypes (only those this torch build has).
 _DTYPES: dict[str, torch.dtype] = {

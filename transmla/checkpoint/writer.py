@@ -18,11 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..progress import stderr_console
-from .files import TOKENIZER_FILES
+from .files import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from .finite import require_finite
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 _UNITS: dict[str, int] = {

@@ -42,7 +42,7 @@ class LayerStats:
 
     def second_moment(self, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """E[(W x + b)(W x + b)^T] (float64) for w [out, D]."""
-        wa = with_bias_column(w.double(), None if b is None else b.double())  # [out, D+1]
+        wa = with_bias_column(w, b, torch.float64)  # [out, D+1]
         return wa @ self.gram @ wa.T
 
 

@@ -57,7 +57,8 @@ def low_rank(w: torch.Tensor, rank: int, gram: torch.Tensor | None = None) -> Fa
     return Factorization(up=up, down=up.T @ w.double(), energy=energy)
 
 
-def with_bias_column(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[W | b]: the map acting on the augmented input [x; 1]."""
+def with_bias_column(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[W | b] (in `dtype`, default W's): the map acting on the augmented input [x; 1]; zeros without a bias."""
+    w = w if dtype is None else w.to(dtype)
     bias = w.new_zeros(w.shape[0]) if b is None else b.to(w.dtype)
     return torch.cat((w, bias[:, None]), dim=1)

@@ -27,6 +27,7 @@ __all__ = [
     "TextSourceError",
     "builtin_text",
     "gensim_test_data",
+    "read_jsonl_rows",
     "lee_text",
     "load_text",
     "split_text",
@@ -171,8 +172,10 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _read_jsonl(path: Path, text_field: str) -> str:
-    texts = []
+def read_jsonl_rows(path: Path, text_field: str, hint: str = "choose it with text_field") -> list[str]:
+    """The `text_field` value of every non-blank row of a UTF-8 JSONL file; TextSourceError naming
+    the line otherwise (`hint` says how to pick the field)."""
+    rows = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -182,11 +185,9 @@ def _read_jsonl(path: Path, text_field: str) -> str:
             except json.JSONDecodeError as e:
                 raise TextSourceError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or text_field not in row:
-                raise TextSourceError(
-                    f"{path}:{lineno}: no field {text_field!r} (choose it with text_field)"
-                )
-            texts.append(str(row[text_field]))
-    return "\n\n".join(texts)
+                raise TextSourceError(f"{path}:{lineno}: no field {text_field!r} ({hint})")
+            rows.append(str(row[text_field]))
+    return rows
 
 
 def _looks_like_dataset(spec: str) -> bool:
@@ -246,7 +247,7 @@ def load_text(spec: str, part: str = "eval", text_field: str = "text") -> str:
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".jsonl":
-            return _read_jsonl(path, text_field)
+            return "\n\n".join(read_jsonl_rows(path, text_field))
         try:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

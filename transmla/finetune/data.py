@@ -19,14 +19,13 @@ The data order is a pure function of (seed, step): epoch e visits the sequences 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..data.texts import TextSourceError, load_text
+from ..data.texts import load_text, read_jsonl_rows
 
 __all__ = [
     "PackedSequences",
@@ -69,22 +68,6 @@ def split_documents(text: str, mode: str = "auto") -> list[str]:
     return [p.strip("\n") for p in pieces if p.strip()]
 
 
-def _jsonl_rows(path: Path, text_field: str) -> list[str]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TextSourceError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or text_field not in row:
-                raise TextSourceError(f"{path}:{lineno}: no field {text_field!r} (set data.text_field)")
-            rows.append(str(row[text_field]))
-    return rows
-
-
 def load_documents(spec: str, part: str = "calib", text_field: str = "text", mode: str = "auto") -> list[str]:
     """The documents of a text source (transmla.data.texts.load_text spec).
 
@@ -93,7 +76,7 @@ def load_documents(spec: str, part: str = "calib", text_field: str = "text", mod
     """
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".jsonl":
-        rows = _jsonl_rows(path, text_field)
+        rows = read_jsonl_rows(path, text_field, hint="set data.text_field")
         if mode == "auto":
             return [r for r in rows if r.strip()]
         return split_documents("\n\n".join(rows), mode)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers import MLALayer
-from ..lowrank import low_rank, with_bias_column
+from ..lowrank import low_rank
 from .rorope import PartialRope
 
 
@@ -218,9 +218,4 @@ def assemble_layer(
     return layer
 
 
-def augmented(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[W | b] in float64 (zeros when there is no bias)."""
-    return with_bias_column(w.double(), None if b is None else b.double())
-
-
-__all__ = ["AttentionMetric", "JointPCA", "attention_metric", "assemble_layer", "augmented", "bkv_alpha", "centred_gram", "identity_latent", "joint_pca"]
+__all__ = ["AttentionMetric", "JointPCA", "attention_metric", "assemble_layer", "bkv_alpha", "centred_gram", "identity_latent", "joint_pca"]

@@ -24,10 +24,11 @@ import torch
 from ...families import AttentionGeometry
 from ...progress import stderr_console
 from ..layers import MLALayer, SourceAttention
+from ..lowrank import with_bias_column
 from ..method import ConversionMethod, StatsNeeds
 from ...schema import option
 from ..options import check_kv_budget
-from .bkv import assemble_layer, attention_metric, augmented, identity_latent, joint_pca
+from .bkv import assemble_layer, attention_metric, identity_latent, joint_pca
 from .budget import transmla_budget, validate_transmla_shape
 from .rorope import (
     auto_fold,
@@ -123,8 +124,8 @@ class LayerMoments:
     def of(cls, src: SourceAttention, gram: torch.Tensor) -> "LayerMoments":
         geo = src.geometry
         g = gram.double()
-        wk = augmented(src.wk, src.bk)
-        wq = augmented(src.wq, src.bq).view(geo.num_heads, geo.head_dim, -1)  # [H, d, D+1]
+        wk = with_bias_column(src.wk, src.bk, torch.float64)
+        wq = with_bias_column(src.wq, src.bq, torch.float64).view(geo.num_heads, geo.head_dim, -1)  # [H, d, D+1]
         key = wk @ g @ wk.T
         q = torch.einsum("hdx,xy,hey->hde", wq, g, wq)  # [H, d, d]
         query = q.view(geo.num_kv_heads, geo.group_size, geo.head_dim, geo.head_dim).sum(1)
@@ -187,6 +188,11 @@ def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tu
     return best, {c.fold: c.logit_error for c in choices}
 
 
+def augmented_maps(src: SourceAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query, key and value maps as [W | b] in float64 ([out, D+1], acting on [x; 1])."""
+    return tuple(with_bias_column(w, b, torch.float64) for w, b in ((src.wq, src.bq), (src.wk, src.bk), (src.wv, src.bv)))
+
+
 def convert_layer(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan,
                   rope_gram: torch.Tensor | None = None) -> tuple[MLALayer, dict]:
     """One source layer -> (MLA layer, info).
@@ -198,7 +204,7 @@ def convert_layer(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan,
     geo = src.geometry
     m = LayerMoments.of(src, gram if rope_gram is None else rope_gram)
     choice, tried = choose_rope(src, m, plan)
-    wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
+    wq, wk, wv = augmented_maps(src)
     partial = split_rope(wq, wk, geo.num_heads, choice.rotation, choice.kept, choice.inv_freq, choice.nope_scale)
     metric = None
     if plan.pca_metric in ("attention", "output"):
@@ -229,7 +235,7 @@ def stage_layers(src: SourceAttention, gram: torch.Tensor, plan: TransMLAPlan) -
     latent), "freqfold" (the chosen fold, full-rank latent) and "bkv_pca" (the result)."""
     geo = src.geometry
     m = LayerMoments.of(src, gram)
-    wq, wk, wv = augmented(src.wq, src.bq), augmented(src.wk, src.bk), augmented(src.wv, src.bv)
+    wq, wk, wv = augmented_maps(src)
     folds = fold_candidates(geo.head_dim, plan.rope_dim // 2, plan.selection, geo.head_dim // 2)
     out = {}
     for name, p in (("rorope", replace(plan, freqfold=folds[0]) if folds else plan), ("freqfold", plan)):

@@ -1,0 +1,1 @@
+"""The benchmarks behind the published numbers; run each as `python -m benchmarks.NAME` from the repository root."""
