@@ -1,7 +1,7 @@
 """DeepSeek-format export of the built-in SmolLM2-135M: what the exportable rope costs, and that
 stock transformers gives the native model's perplexity.
 
-    .venv/bin/python eval/deepseek_export_bench.py            # every phase (resumes from its cache)
+    .venv/bin/python -m benchmarks.deepseek_export_bench            # every phase (resumes from its cache)
 
 DeepSeek engines share one rope grid theta^(-2i/d_r) in every layer. `convert --shared-rope`
 keeps one RoRoPE/FreqFold component per fold group (F = d/r) at the group's first frequency.
@@ -15,7 +15,7 @@ Then, at 50 / 25 / 12.5% of the cache (128+64, 64+32, 32+16), with the CLI's def
   export (`transmla export`), evaluated in a process that never imports it (stock
   DeepseekV3ForCausalLM); the source, stock too (it must equal transmla_bench's recorded source);
 - wiki-test 32 windows (ANCHORS.md) and lee-test (all 29 of its windows), 512 tokens each.
-Writes eval/results/deepseek_export.{json,md}.
+Writes benchmarks/results/deepseek_export.{json,md}.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transmla_bench import BUDGETS, CACHE, SEQ, Bench, cli_defaults, log, ours_layers
 
 from transmla.convert.pipeline import write_mla_checkpoint
-from transmla.eval.report import environment
 from transmla.export.deepseek import ExportOptions, export_deepseek
 
+from .common import RESULTS, log, machine
+from .transmla_bench import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers
+
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
 WORK = CACHE / "deepseek-export"
 STOCK_PPL = ROOT / "engines_stock_ppl.py"
 HEAD_DIM = 64
@@ -121,7 +121,7 @@ def final(b: Bench, chosen: str, budgets=BUDGETS, source: bool = True) -> None:
 def report(b: Bench, chosen: str) -> None:
     r = b.results
     texts = ("wiki_test_32", "lee_test")
-    out = {"machine": environment(), "chosen_variant": chosen, "variants": list(VARIANTS),
+    out = {"machine": machine(), "chosen_variant": chosen, "variants": list(VARIANTS),
            "results": {k: v for k, v in r.items() if k.startswith(("export-", "dev32/source"))}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "deepseek_export.json").write_text(json.dumps(out, indent=1, sort_keys=True))
@@ -130,7 +130,7 @@ def report(b: Bench, chosen: str) -> None:
         "# DeepSeek-format export of SmolLM2-135M (training-free TransMLA, fp32)",
         "",
         f"Machine: {out['machine']['machine']}, torch {out['machine']['torch']}, transformers "
-        f"{out['machine']['transformers']}. Re-run: `python eval/deepseek_export_bench.py`.",
+        f"{out['machine']['transformers']}. Re-run: `python -m benchmarks.deepseek_export_bench`.",
         "",
         "## Which component each fold group keeps (dev32: 16 wiki + 16 lee windows, pooled perplexity)",
         "",
@@ -183,7 +183,7 @@ def report(b: Bench, chosen: str) -> None:
         "'export vs native' column includes that change.",
     ]
     (RESULTS / "deepseek_export.md").write_text("\n".join(lines) + "\n")
-    log("wrote eval/results/deepseek_export.{json,md}")
+    log("wrote benchmarks/results/deepseek_export.{json,md}")
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Perplexity of model folders in a plain transformers process (the bench's engine side).
 
-    python eval/engines_stock_ppl.py WINDOWS.safetensors FOLDER [FOLDER ...] [--import-transmla]
+    python benchmarks/engines_stock_ppl.py WINDOWS.safetensors FOLDER [FOLDER ...] [--import-transmla]
 
 WINDOWS.safetensors holds "<text>" tensors [N, 512] of token ids: every window is scored on its
 own (tokens 1..511 given the ones before; ANCHORS.md's protocol). Prints one JSON line per

@@ -1,8 +1,8 @@
 """Decode tokens/s of the converted built-in model against its source on this CPU, and the ideal.
 
-    .venv/bin/python eval/generate_bench.py              # every setting not yet in the JSON, then the report
-    .venv/bin/python eval/generate_bench.py --only 25-fp32-b1-8k,25-fp32-b8-8k   # some settings
-    .venv/bin/python eval/generate_bench.py --report     # only rewrite the table and plot
+    .venv/bin/python -m benchmarks.generate_bench              # every setting not yet in the JSON, then the report
+    .venv/bin/python -m benchmarks.generate_bench --only 25-fp32-b1-8k,25-fp32-b8-8k   # some settings
+    .venv/bin/python -m benchmarks.generate_bench --report     # only rewrite the table and plot
 
 Each setting is one `transmla bench generate` run (the library call behind it): the TransMLA
 conversion of smollm2-135m at 25% (or 12.5%) of the source cache, converted once with the CLI
@@ -19,7 +19,7 @@ Ideal speedup = bytes a decode step reads, source over MLA: weights (tied embedd
 KV cache at that context, both in the same dtype. Goal: MLA tokens/s over the source's >= 0.8 x ideal
 at every context >= 8K; prefill within 1.2x of the source's.
 
-Writes eval/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
+Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
 saved after every setting (resumable). Run one benchmark process at a time; the load average is
 recorded with each setting.
 """
@@ -35,9 +35,9 @@ from pathlib import Path
 import transmla  # noqa: F401
 from transmla.checkpoint.resolve import cache_root
 from transmla.eval.generate_bench import bench_generate
-from transmla.eval.report import environment
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from .common import RESULTS, machine
+
 JSON_PATH = RESULTS / "generate_bench.json"
 MODELS = cache_root() / "bench-generate"
 SOURCE = "smollm2-135m"
@@ -99,7 +99,7 @@ def write_report(results: dict) -> None:
     lines = [
         "# Decode speed on the CPU: converted SmolLM2-135M (TransMLA) against its source",
         "",
-        "Made by `eval/generate_bench.py` (see its docstring). Greedy decode of "
+        "Made by `python -m benchmarks.generate_bench` (see its docstring). Greedy decode of "
         f"{NEW_TOKENS} tokens after the context, {REPEATS} repetitions, best (min time) reported; the source "
         "runs with the faster of transformers' DynamicCache and StaticCache (column `source cache`). "
         "Ideal = bytes read per decode step (weights + cache at the context), source over MLA. "
@@ -165,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     results = load_results()
     if not args.report:
-        env = environment()
+        env = machine()
         results["machine"] = f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}"
         only = args.only.split(",") if args.only else None
         unknown = set(only or ()) - {s["name"] for s in SETTINGS}

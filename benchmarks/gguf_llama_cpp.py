@@ -1,12 +1,12 @@
 """SmolLM2-135M and its TransMLA conversions run in llama.cpp (GGUF, `deepseek2`): perplexity
 against `transmla eval`, and decode speed + KV cache against the GQA source.
 
-    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase export   # convert (--shared-rope) + GGUFs
-    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase ppl      # llama-perplexity vs ours (8 windows)
-    .venv/bin/python eval/gguf_llama_cpp.py --work DIR --phase speed --types q8_0 --depths 0,4096,16384
-    .venv/bin/python eval/gguf_llama_cpp.py --phase report              # table from the JSON
+    .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase export   # convert (--shared-rope) + GGUFs
+    .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase ppl      # llama-perplexity vs ours (8 windows)
+    .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase speed --types q8_0 --depths 0,4096,16384
+    .venv/bin/python -m benchmarks.gguf_llama_cpp --phase report              # table from the JSON
 
-Needs `make llama-cpp`. Phases resume: results merge into eval/results/gguf_llama_cpp.json.
+Needs `make llama-cpp`. Phases resume: results merge into benchmarks/results/gguf_llama_cpp.json.
 The source GGUFs are llama.cpp's own: `llama-quantize` of the built-in Q4_1 GGUF to F32 (exactly
 the weights `transmla inspect` dequantizes) and from that to Q8_0. Converted models: `transmla
 convert smollm2-135m --method transmla --kv-budget B --shared-rope --calib-samples 256` (256 x 16 calibration tokens: the comparisons here are one model
@@ -33,22 +33,17 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "eval" / "results"
+from .common import RESULTS, ROOT, log
+
 OUT_JSON = RESULTS / "gguf_llama_cpp.json"
 OUT_MD = RESULTS / "gguf_llama_cpp.md"
 BUDGETS = (0.5, 0.25, 0.125)
 SEQ, WINDOWS = 512, 8  # 8 x 512: the shared machine (load ~11) makes 32 windows x 3 models too slow
 SOURCE_CACHE = 2 * 3 * 64  # SmolLM2-135M: K and V of 3 KV heads x 64
 LAYERS = 30
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def machine() -> dict:
@@ -191,7 +186,7 @@ def kv_mib(elements: int, depth: int) -> float:
 def phase_report() -> None:
     data = load_results()
     lines = ["# SmolLM2-135M conversions in llama.cpp (GGUF, deepseek2)", ""]
-    lines += ["Made by `eval/gguf_llama_cpp.py` (see its docstring for the protocol); llama.cpp "
+    lines += ["Made by `python -m benchmarks.gguf_llama_cpp` (see its docstring for the protocol); llama.cpp "
               "as vendored by llama-cpp-python 0.3.36, built by `make llama-cpp`.", ""]
     if "perplexity" in data:
         m = data.get("perplexity_machine", {})
@@ -249,7 +244,6 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     types = args.types.split(",")
     if args.phase == "export":
         phase_export(args.work, types)

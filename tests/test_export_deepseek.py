@@ -17,12 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import transmla  # noqa: F401  (registers the native MLA models)
 from transmla.convert.api import convert
-from transmla.convert.mha2mla_method import mha2mla_layers
 from transmla.convert.options import ConvertOptions
-from transmla.convert.pipeline import write_mla_checkpoint
-from transmla.convert.replicate import replicate
-from transmla.convert.pipeline import source_layers
-from transmla.convert.transmla_method import plan_from_options, transmla_layers
+from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
+from transmla.convert.registry import get_method
 from transmla.export.deepseek import ExportError, ExportOptions, export_deepseek, norm_trick_scale
 
 STOCK = Path(__file__).parent / "engines" / "stock_transformers.py"
@@ -33,14 +30,9 @@ CALIB = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(1)
 def _convert(src: Path, out: Path, **options) -> Path:
     """The production conversion (calibrated on fixed ids), written to disk."""
     config = AutoConfig.from_pretrained(src)
-    opts = ConvertOptions(device="cpu", **options)
-    if opts.method == "transmla":
-        layers, meta = transmla_layers(src, config, opts, progress=False, calib_ids=CALIB, plan=plan_from_options(opts, config))
-    elif opts.method == "mha2mla":
-        layers, meta = mha2mla_layers(src, config, opts, progress=False, calib_ids=CALIB)
-    else:
-        layers, meta = (replicate(s) for s in source_layers(src, config)), {"name": "lossless"}
-    write_mla_checkpoint(src, config, out, layers, meta, progress=False)
+    opts = ConvertOptions.of(device="cpu", **options)
+    layers = LayerStream(get_method(opts.method), src, config, opts, progress=False, calib_ids=CALIB)
+    write_mla_checkpoint(src, config, out, layers, layers.record, progress=False)
     return out
 
 
@@ -221,7 +213,7 @@ def test_refuses_mixtral_with_the_router_reason(native, tmp_path):
 def test_shared_rope_is_refused_where_a_method_cannot_share_one_grid(tiny_factory, tmp_path):
     _, src = tiny_factory("llama")
     with pytest.raises(ValueError, match="lossless keeps the rope pairs of all 2 KV heads"):
-        convert(str(src), tmp_path / "out", ConvertOptions(method="lossless", shared_rope=True), progress=False)
+        convert(str(src), tmp_path / "out", ConvertOptions.of(method="lossless", format="deepseek"), progress=False)
 
 
 def test_norm_trick_bound_holds_for_any_input():

@@ -25,7 +25,7 @@ from .svd import SVD_MODES, WEIGHTINGS, compress_latent
 DEFAULT_PROPAGATE = "original"
 # Sequences x tokens. Many short sequences beat few long ones at equal tokens (each brings the
 # attention-sink token every prompt has), as for TransMLA: on 32 dev windows 2048 x 16 beat 64 x 512
-# (the ANCHORS.md protocol) by 19-27% at 50/25/12.5% of the cache (eval/results/mha2mla_calib_shape.md).
+# (the ANCHORS.md protocol) by 19-27% at 50/25/12.5% of the cache (benchmarks/results/mha2mla_calib_shape.md).
 DEFAULT_CALIBRATION = (2048, 16)
 
 

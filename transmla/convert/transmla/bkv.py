@@ -20,7 +20,7 @@ by q_h . N_j e_k and a value error e_v its output by W_o,h e_v, so weight each b
 and PCA S Y with S = blockdiag(M_K^(1/2), M_V^(1/2)): min E||S (Y - Y_hat)||^2, Y_hat = S^-1 U U^T S Y.
 BKV balancing is applied to the weighted blocks (equal mean column norms, as published). S is
 invertible (a tiny ridge), so full rank stays exact. "output" weights only the values (M_K = I).
-Measured on SmolLM2 (eval/results/transmla_bench.md, dev32): with long calibration sequences
+Measured on SmolLM2 (benchmarks/results/transmla_bench.md, dev32): with long calibration sequences
 "output" beats the plain PCA at 50% of the cache, but with our default calibration (many short
 sequences) the plain PCA is better at every budget; weighting the keys by the queries hurts
 below 50%. Both stay options (TransMLAPlan.pca_metric), not defaults.

@@ -11,7 +11,7 @@ holds one layer's weights and the calibration tokens' hidden states, never every
 activations (calibrate.calibrated_layers).
 
 `TransMLAPlan` holds every choice. `published_plan` is the published algorithm; `default_plan`
-is ours (see eval/results/transmla_bench.md for the measurements behind each default).
+is ours (see benchmarks/results/transmla_bench.md for the measurements behind each default).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .rorope import (
 DEFAULT_PROPAGATE = "original"
 # Sequences x tokens: many short sequences (each starts with the attention-sink token every prompt
 # has) beat few long ones at equal tokens, measured from 64 x 512 to 4096 x 8; best: 2048 x 16
-# (eval/results/transmla_bench.md, dev32).
+# (benchmarks/results/transmla_bench.md, dev32).
 DEFAULT_CALIBRATION = (2048, 16)
 FOLD_RULES = ("auto", "logit")
 
@@ -85,7 +85,7 @@ def published_plan(kv_lora_rank: int, rope_dim: int, freqfold: int) -> TransMLAP
 
 
 def default_plan(kv_lora_rank: int, rope_dim: int, freqfold: int | str = "auto", q_lora_rank: int | None = None) -> TransMLAPlan:
-    """Our defaults, chosen by measurement (eval/results/transmla_bench.md): score selection of the
+    """Our defaults, chosen by measurement (benchmarks/results/transmla_bench.md): score selection of the
     rope components, F = d/r, the published plain PCA, with DEFAULT_CALIBRATION and
     DEFAULT_PROPAGATE (2048 x 16 tokens, calibrated on the original model)."""
     return TransMLAPlan(kv_lora_rank, rope_dim, freqfold=freqfold, q_lora_rank=q_lora_rank)

@@ -403,7 +403,7 @@ def auto_fold(head_dim: int, rope_dim: int) -> int:
     (d/2F) as kept rope pairs (r/2): on average one rope component per group of F adjacent
     frequencies, each rotating at a frequency of its own block, as RoPE with d_r dims would.
     Measured best on held-out windows at 50/25/12.5% of SmolLM2's cache with score selection
-    (eval/results/transmla_bench.md), where the expected-logit-error criterion ("logit") chose
+    (benchmarks/results/transmla_bench.md), where the expected-logit-error criterion ("logit") chose
     F = 1 at every budget and lost at the two smaller ones."""
     f = 1
     while 2 * f * rope_dim <= head_dim:
