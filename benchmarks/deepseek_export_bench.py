@@ -28,14 +28,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from transmla.convert.pipeline import write_mla_checkpoint
 from transmla.export.deepseek import ExportOptions, export_deepseek
 
 from .common import RESULTS, log, machine
-from .transmla_bench import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers
+from .transmla_bench import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers, ours_plan
 
 ROOT = Path(__file__).resolve().parent
 WORK = CACHE / "deepseek-export"
@@ -78,7 +77,7 @@ def write_native(b: Bench, budget: str, name: str, overrides: dict) -> Path:
     out = WORK / f"{budget[:-1]}-{name.split()[0]}-native"
     if not (out / "config.json").exists():
         layers, _ = ours_layers(b, budget, calib, propagate, **overrides)
-        plan = replace(__import__("transmla_bench").ours_plan(budget), **overrides)
+        plan = replace(ours_plan(budget), **overrides)
         write_mla_checkpoint(b.src_dir, b.config, out, iter(layers), {"name": "transmla", "plan": plan.to_dict()},
                              force=True, progress=False)
     return out
