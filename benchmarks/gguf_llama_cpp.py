@@ -41,7 +41,7 @@ from .common import RESULTS, ROOT, log
 OUT_JSON = RESULTS / "gguf_llama_cpp.json"
 OUT_MD = RESULTS / "gguf_llama_cpp.md"
 BUDGETS = (0.5, 0.25, 0.125)
-SEQ, WINDOWS = 512, 8  # 8 x 512: the shared machine (load ~11) makes 32 windows x 3 models too slow
+SEQ = 512
 SOURCE_CACHE = 2 * 3 * 64  # SmolLM2-135M: K and V of 3 KV heads x 64
 LAYERS = 30
 
@@ -98,7 +98,7 @@ def phase_export(work: Path, types: list[str]) -> None:
                 export_gguf(native, out, t, progress=False)
 
 
-def phase_ppl(work: Path) -> None:
+def phase_ppl(work: Path, windows: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import transmla as _  # noqa: F401  (registers the native MLA models)
@@ -121,12 +121,12 @@ def phase_ppl(work: Path) -> None:
             continue
         same_tokens = llama_tokenize(gguf, text) == ids.tolist()
         log(f"llama-perplexity {name}")
-        llama_ppl, _ = llama_perplexity(gguf, text_file, SEQ, WINDOWS, threads=1)
+        llama_ppl, _ = llama_perplexity(gguf, text_file, SEQ, windows, threads=1)
         model = AutoModelForCausalLM.from_pretrained(work / name, dtype="float32").eval()
-        ours_half = perplexity(model, ids, SEQ, WINDOWS, first_scored=SEQ // 2 + 1, progress=False)
-        ours_all = perplexity(model, ids, SEQ, WINDOWS, progress=False)
+        ours_half = perplexity(model, ids, SEQ, windows, first_scored=SEQ // 2 + 1, progress=False)
+        ours_all = perplexity(model, ids, SEQ, windows, progress=False)
         rows[name] = {
-            "kv_budget": budget, "same_tokens": same_tokens, "llama_perplexity": llama_ppl,
+            "kv_budget": budget, "windows": windows, "same_tokens": same_tokens, "llama_perplexity": llama_ppl,
             "ours_llama_cpp_windows": ours_half.perplexity, "scored_tokens_llama_cpp_windows": ours_half.tokens,
             "relative_difference": llama_ppl / ours_half.perplexity - 1,
             "transmla_eval": ours_all.perplexity, "scored_tokens_transmla_eval": ours_all.tokens,
@@ -144,6 +144,43 @@ def weight_bytes_per_step(path: Path) -> int:
     return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
 
 
+def _field(fields, key: str):
+    return fields[key].parts[-1][0]
+
+
+def attention_shape(path: Path) -> dict:
+    """Heads and the widths one decode step attends with, per query head and cached position: the
+    key width (scores) and the value width (output). An MLA model attends in the absorbed form, so
+    its key is the latent plus the rope key (d_c + d_r) and its value is the latent (d_c)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    heads = int(_field(fields, f"{arch}.attention.head_count"))
+    if arch == "deepseek2":
+        latent = int(_field(fields, "deepseek2.attention.kv_lora_rank"))
+        rope = int(_field(fields, "deepseek2.rope.dimension_count"))
+        return {"heads": heads, "key_width": latent + rope, "value_width": latent}
+    head_dim = int(_field(fields, f"{arch}.embedding_length")) // heads
+    return {"heads": heads, "key_width": head_dim, "value_width": head_dim}
+
+
+def weight_elements_per_step(path: Path) -> int:
+    """Multiply-accumulates of one decode step's matrix products with the weights (batch 1): the
+    elements of every matrix it reads (norm vectors and a gathered, untied embedding left out)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_elements) for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
+def attention_macs_per_step(shape: dict, depth: int) -> int:
+    """Multiply-accumulates of one decode step's attention over `depth` cached positions (batch 1):
+    every query head scores every position (key width) and sums its values (value width)."""
+    return LAYERS * shape["heads"] * depth * (shape["key_width"] + shape["value_width"])
+
+
 def cache_elements(path: Path) -> int:
     import gguf
 
@@ -154,7 +191,8 @@ def cache_elements(path: Path) -> int:
     return SOURCE_CACHE
 
 
-def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list[int], n_gen: int, reps: int, threads: int) -> None:
+def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list[int], n_gen: int, reps: int,
+                threads: int, flash_attn: bool) -> None:
     from transmla.eval.llama_cpp import llama_bench
 
     for t in types:
@@ -167,20 +205,32 @@ def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list
             before = machine()
             log(f"llama-bench {path.name} depths {todo} (load {before['load_average']})")
             rows = {}
-            for record in llama_bench([path], todo, n_gen, reps, threads):
+            for record in llama_bench([path], todo, n_gen, reps, threads, flash_attn):
                 samples = record["samples_ts"]
                 rows[str(record["n_depth"])] = {
                     "median_tps": statistics.median(samples), "min_tps": min(samples), "max_tps": max(samples),
-                    "samples_tps": samples, "n_gen": n_gen, "threads": threads, "type_k": record.get("type_k"),
+                    "samples_tps": samples, "n_gen": n_gen, "threads": threads, "flash_attn": flash_attn, "type_k": record.get("type_k"),
                     "load_before": before["load_average"], "load_after": os.getloadavg(),
                 }
             entry = {"weight_type": t, "weight_bytes_per_step": weight_bytes_per_step(path),
-                     "cache_elements_per_token_layer": cache_elements(path), **rows}
+                     "weight_macs_per_step": weight_elements_per_step(path), "attention": attention_shape(path),
+                     "cache_elements_per_token_layer": cache_elements(path), **done, **rows}
             save_results({"speed": {f"{name}-{t}": entry}, "speed_machine": machine()})
 
 
 def kv_mib(elements: int, depth: int) -> float:
     return elements * LAYERS * depth * 2 / 2**20
+
+
+def ideal_speedups(src: dict, entry: dict, depth: int) -> tuple[float, float]:
+    """Source / converted for one decode step at `depth`: bytes read (weights + KV cache) and
+    multiply-accumulates (weights + attention). The first bounds a memory-bound step, the second a
+    compute-bound one."""
+    src_bytes = src["weight_bytes_per_step"] + SOURCE_CACHE * LAYERS * depth * 2
+    our_bytes = entry["weight_bytes_per_step"] + entry["cache_elements_per_token_layer"] * LAYERS * depth * 2
+    src_macs = src["weight_macs_per_step"] + attention_macs_per_step(src["attention"], depth)
+    our_macs = entry["weight_macs_per_step"] + attention_macs_per_step(entry["attention"], depth)
+    return src_bytes / our_bytes, src_macs / our_macs
 
 
 def phase_report() -> None:
@@ -190,8 +240,9 @@ def phase_report() -> None:
               "as vendored by llama-cpp-python 0.3.36, built by `make llama-cpp`.", ""]
     if "perplexity" in data:
         m = data.get("perplexity_machine", {})
+        windows = sorted({r.get("windows") for r in data["perplexity"].values()})
         lines += ["## Perplexity: llama-perplexity against our model on the same windows", "",
-                  f"wiki evaluation text, {WINDOWS} windows x {SEQ} tokens, f32 GGUF (KV cache f16). "
+                  f"wiki evaluation text, {'/'.join(map(str, windows))} windows x {SEQ} tokens, f32 GGUF (KV cache f16). "
                   "llama.cpp scores the second half of each window; `ours` is our native MLA model "
                   "(fp32) on those windows and tokens; `transmla eval` scores every token but the "
                   "first of each window (our published protocol). Machine: "
@@ -207,27 +258,29 @@ def phase_report() -> None:
         speed = data["speed"]
         m = data.get("speed_machine", {})
         lines += ["## Decode speed (llama-bench) and KV cache against the GQA source", "",
-                  f"Machine: {m.get('cpu')}, {m.get('cores')} cores shared with other jobs (load average per "
-                  "row in the JSON); one thread (with two, the shared cores' contention stalls llama.cpp's "
-                  "thread barriers). tokens/s median (min) over the repetitions; KV cache f16, MiB at that "
-                  "depth from the cache widths (llama.cpp's own report is checked equal to this in "
-                  "tests/test_export_gguf.py). ideal = bytes read per step, source / converted.", "",
-                  "| weights | model | depth | tokens/s median (min) | KV MiB | speedup vs source | ideal |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"Machine: {m.get('cpu')}, {m.get('cores')} cores; load average before each row in the "
+                  "JSON. tokens/s median (min) over the repetitions; flash attention on (without it llama.cpp "
+                  "copies the transposed latent cache every step); KV cache f16, MiB at that depth from the "
+                  "cache widths (llama.cpp's own report is checked equal to this in tests/test_export_gguf.py). "
+                  "Two ideals, source / converted per decode step: bytes read (weights + KV cache; binds a "
+                  "memory-bound step) and multiply-accumulates (weights + attention, where each query head "
+                  "scores every cached position with the key width and sums the value width: 64 + 64 in the "
+                  "source, d_c + d_r + d_c in the absorbed MLA; binds a compute-bound step).", "",
+                  "| weights | threads | model | depth | tokens/s median (min) | load | KV MiB | speedup vs source | ideal (bytes) | ideal (MACs) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in speed.items():
             t = entry["weight_type"]
             src = speed.get(f"source-{t}")
             for depth, row in ((d, r) for d, r in entry.items() if d.isdigit()):
                 d = int(depth)
-                elements = entry["cache_elements_per_token_layer"]
-                ratio = ideal = ""
+                ratio = ideal_bytes = ideal_macs = ""
                 if src and depth in src and not key.startswith("source"):
                     ratio = f"{row['median_tps'] / src[depth]['median_tps']:.2f}x"
-                    src_bytes = src["weight_bytes_per_step"] + SOURCE_CACHE * LAYERS * d * 2
-                    ours = entry["weight_bytes_per_step"] + elements * LAYERS * d * 2
-                    ideal = f"{src_bytes / ours:.2f}x"
-                lines.append(f"| {t} | {key.rsplit('-', 1)[0]} | {d} | {row['median_tps']:.1f} ({row['min_tps']:.1f}) | "
-                             f"{kv_mib(elements, d):.1f} | {ratio} | {ideal} |")
+                    by_bytes, by_macs = ideal_speedups(src, entry, d)
+                    ideal_bytes, ideal_macs = f"{by_bytes:.2f}x", f"{by_macs:.2f}x"
+                lines.append(f"| {t} | {row['threads']} | {key.rsplit('-', 1)[0]} | {d} | {row['median_tps']:.1f} ({row['min_tps']:.1f}) | "
+                             f"{row['load_before'][0]:.1f} | {kv_mib(entry['cache_elements_per_token_layer'], d):.1f} | "
+                             f"{ratio} | {ideal_bytes} | {ideal_macs} |")
         lines.append("")
     OUT_MD.write_text("\n".join(lines))
     print(OUT_MD.read_text())
@@ -243,15 +296,17 @@ def main(argv=None) -> int:
     ap.add_argument("--n-gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--no-flash-attn", action="store_true", help="llama-bench -fa off (llama.cpp then copies the transposed latent cache every step)")
     args = ap.parse_args(argv)
     types = args.types.split(",")
     if args.phase == "export":
         phase_export(args.work, types)
     elif args.phase == "ppl":
-        phase_ppl(args.work)
+        phase_ppl(args.work, args.windows)
     elif args.phase == "speed":
         phase_speed(args.work, types, [float(b) for b in args.budgets.split(",") if b],
-                    [int(d) for d in args.depths.split(",")], args.n_gen, args.reps, args.threads)
+                    [int(d) for d in args.depths.split(",")], args.n_gen, args.reps, args.threads, not args.no_flash_attn)
     phase_report()
     return 0
 

@@ -228,3 +228,12 @@ def test_cli_export_gguf(cli, tmp_path):
     assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q8_0  # rows of 64 (48 falls back to bf16)
     code, out, err = cli("export", native, out_path, "--format", "gguf")
     assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "exists" in err
+
+
+def test_mixtral_is_refused_with_the_reason(tmp_path):
+    from transmla.export.gguf import export_gguf
+
+    native = converted(tmp_path, "mixtral", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True))
+    with pytest.raises(ExportError, match="mixture-of-experts"):
+        export_gguf(native, tmp_path / "mla.gguf", progress=False)
+    assert list(tmp_path.glob("mla.gguf*")) == []

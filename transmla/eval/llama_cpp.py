@@ -103,11 +103,14 @@ def llama_perplexity(gguf_path: str | Path, text_path: str | Path, n_ctx: int, c
     return float(match.group(1)), proc.stderr
 
 
-def llama_bench(gguf_paths: list[str | Path], depths: list[int], n_gen: int, reps: int, threads: int = 2) -> list[dict]:
+def llama_bench(gguf_paths: list[str | Path], depths: list[int], n_gen: int, reps: int, threads: int = 2,
+                flash_attn: bool = True) -> list[dict]:
     """llama-bench decode rows (`-p 0 -n n_gen -d depths`), one JSON record per model and depth
-    (samples_ts: tokens/s of each repetition)."""
+    (samples_ts: tokens/s of each repetition). Flash attention is on by default: without it llama.cpp
+    copies the transposed latent cache of an MLA model in every layer at every step (its `v_cont`)."""
     args: list[str | Path] = [llama_cpp_tool("llama-bench")]
     for path in gguf_paths:
         args += ["-m", path]
-    args += ["-p", "0", "-n", n_gen, "-d", ",".join(map(str, depths)), "-r", reps, "-t", threads, "-o", "json"]
+    args += ["-p", "0", "-n", n_gen, "-d", ",".join(map(str, depths)), "-r", reps, "-t", threads,
+             "-fa", "on" if flash_attn else "off", "-o", "json"]
     return json.loads(_run(args).stdout)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +98,8 @@ class ExportPlan:
     family_layer_root: str
     input_norm: str
     record: dict = field(default_factory=dict)
+    # One MoE tensor (layer prefix stripped) -> DeepSeek's names; None for dense models.
+    moe_tensors: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,12 +198,6 @@ def deepseek_softmax_scale(rope_parameters: dict, qk_head_dim: int) -> float:
 def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) -> ExportPlan:
     mla = cfg["mla"]
     family = family_for(cfg["model_type"][len(MODEL_TYPE_PREFIX):])
-    if family.model_type == "mixtral":
-        raise ExportError(
-            "Mixtral cannot be exported exactly: its router is a renormalised softmax top-2, while stock "
-            "DeepseekV3 scores experts with a sigmoid and transformers' DeepseekV2 does not renormalise "
-            "(only vLLM's DeepseekV2 could, and it cannot be checked here)"
-        )
     H, d_r, d_c = mla["num_heads"], mla["qk_rope_head_dim"], mla["kv_lora_rank"]
     d_nope, d_v, D = mla["qk_nope_head_dim"], mla["v_head_dim"], mla["hidden_size"]
     L = len(mla["rope_inv_freq"])
@@ -271,6 +267,8 @@ def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) ->
         "pad_token_id": cfg.get("pad_token_id"),
         "initializer_range": cfg.get("initializer_range", 0.02),
     }
+    if family.moe is not None:
+        config.update(_moe_config(cfg, family.moe))
     source_eps = cfg.get("rms_norm_eps", LATENT_NORM_EPS)
     record = {
         "source_model_type": cfg["model_type"],
@@ -283,13 +281,34 @@ def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) ->
         "native_kv_elements_per_token_per_layer": d_c + d_r,
         "dropped_biases": any_bias and options.drop_biases,
         "query_bias_via_q_lora": q_bias_lora,
+        "moe": family.moe is not None,
     }
     return ExportPlan(
         config=config, num_layers=L, num_heads=H, d_nope=d_nope, d_r=d_r, d_v=d_v, d_c=d_c, d_c_out=d_c_out,
         hidden_size=D, q_scale=q_scale, pair_order=order, q_bias_lora=q_bias_lora, drop_biases=not keep_bias,
         native_norm=bool(mla.get("kv_a_norm")), family_layer_root=family.layer_root,
         input_norm=family.input_norm, record=record,
+        moe_tensors=family.moe.deepseek_tensors if family.moe is not None else None,
     )
+
+
+def _moe_config(cfg: dict, moe) -> dict:
+    """DeepSeek MoE fields that route exactly as the source: every layer sparse, a shared expert of
+    zero width (transformers 5's config takes only an integer count, so not null), one expert group
+    (plain top-k), no score correction, the source's scoring and renormalisation, routed weights
+    unscaled. transformers' DeepseekV3 ignores `scoring_func` (it always uses a sigmoid); vLLM's
+    DeepseekV2/V3 MoE reads it (engines.py says which engine takes what)."""
+    return {
+        "first_k_dense_replace": 0,
+        "n_routed_experts": int(cfg[moe.experts_key]),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": cfg["intermediate_size"],
+        "n_shared_experts": 0,
+        "scoring_func": moe.scoring_func,
+        "norm_topk_prob": moe.renormalize,
+        "topk_method": "greedy",
+        "routed_scaling_factor": 1.0,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,7 +441,7 @@ def deepseek_tensors(reader: SafetensorsReader, plan: ExportPlan, progress: bool
     passed = set().union(*attention.values()) if attention else set()
     for name in reader.keys():
         if name not in passed:
-            yield name, reader.get(name)
+            yield from _renamed(name, reader.get(name), plan)
     if "lm_head.weight" not in reader:  # tied embeddings: written out (not every engine ties)
         yield "lm_head.weight", reader.get("model.embed_tokens.weight").clone()  # its own storage
     for i in progress_bar(range(plan.num_layers), "exporting layers", enabled=progress):
@@ -431,6 +450,22 @@ def deepseek_tensors(reader: SafetensorsReader, plan: ExportPlan, progress: bool
         norm = reader.get(plan.family_layer_root.format(i=i) + plan.input_norm + ".weight")
         for rel, tensor in export_layer(tensors, norm, plan).items():
             yield f"model.layers.{i}.self_attn.{rel}", tensor
+
+
+def _renamed(name: str, tensor: torch.Tensor, plan: ExportPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """A non-attention tensor under DeepSeek's name: MoE tensors through the family's mapping,
+    everything else (embeddings, norms, dense MLPs) unchanged."""
+    if plan.moe_tensors is not None:
+        for i in range(plan.num_layers):
+            prefix = plan.family_layer_root.format(i=i)
+            if name.startswith(prefix):
+                mapped = plan.moe_tensors(name[len(prefix):], tensor)
+                if mapped is not None:
+                    for rel, t in mapped:
+                        yield f"model.layers.{i}.{rel}", t
+                    return
+                break
+    yield name, tensor
 
 
 @dataclass

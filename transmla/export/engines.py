@@ -5,7 +5,12 @@ MLA backends, sglang/srt/models/deepseek_v2.py; not run here: both need a GPU); 
 what the engine does with a config that breaks it. Beyond these: vLLM's FlashMLA, CUTLASS,
 FlashInfer and CPU MLA backends take only 512 + 64 (320 runs on its Triton MLA backend), and on
 Hopper its prefill pairs qk_head_dim with v_head_dim (equal, or 128 < qk <= 192 with 96 < v <= 128,
-or qk <= 64): README "Serve it" lists them. `engine_report` is used by
+or qk <= 64): README "Serve it" lists them. A sparse MoE: vLLM's DeepseekV2MoE (used for V2 and V3)
+routes with `scoring_func` (softmax or sigmoid), `norm_topk_prob` (renormalise the top k),
+`n_group`/`topk_group` (1/1: plain top-k), `routed_scaling_factor` and, only for `topk_method`
+noaux_tc, a score-correction bias. transformers 5's config takes `n_shared_experts` only as an
+integer, so "no shared expert" is written as 0: vLLM then builds a shared MLP of zero width (its
+zero-size kernels were not run here). `engine_report` is used by
 `export` (to refuse) and by `inspect` (to tell).
 """
 
@@ -28,11 +33,21 @@ def padded_latent_size(kv_lora_rank: int, rope_dim: int) -> int:
     )
 
 
+def _routes_softmax(config: dict) -> bool:
+    """The config has sparse MoE layers scored with a softmax over all experts (Mixtral's router)."""
+    sparse = config.get("first_k_dense_replace", 0) < config.get("num_hidden_layers", 0)
+    return sparse and config.get("scoring_func", "sigmoid") == "softmax"
+
+
 def _transformers(config: dict) -> str | None:
     try:
         from transformers import DeepseekV3ForCausalLM  # noqa: F401
     except ImportError:
         return "the installed transformers has no DeepseekV3 (needs 4.51 or later)"
+    if _routes_softmax(config):
+        return ("its DeepseekV3 always scores experts with a sigmoid (it ignores scoring_func softmax) and "
+                "its DeepseekV2 does not renormalise the top-k weights: no stock router equals this one "
+                "(serve it with --engines vllm)")
     return None
 
 
@@ -65,6 +80,8 @@ def _vllm(config: dict) -> str | None:
 
 
 def _sglang(config: dict) -> str | None:
+    if _routes_softmax(config):
+        return "SGLang's DeepSeek MoE router was not checked for softmax scoring here (serve it with --engines vllm)"
     return _common_serving(config, "SGLang")
 
 

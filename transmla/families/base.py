@@ -7,6 +7,7 @@ functions below read a transformers config of any supported family.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,18 @@ import torch
 
 class UnsupportedArchitectureError(ValueError):
     """The source model's architecture is not one transmla converts."""
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """How a mixture-of-experts family routes, and its MoE tensors under DeepSeek's names."""
+
+    experts_key: str  # config attribute with the number of routed experts
+    scoring_func: str  # "softmax" (over all experts) or "sigmoid"
+    renormalize: bool  # the kept top-k weights are rescaled to sum to one
+    # (name, tensor) of one layer's MoE tensor (prefix stripped) -> DeepSeek's names, or None if
+    # the tensor is not part of the MoE.
+    deepseek_tensors: Callable[[str, Any], list[tuple[str, Any]] | None]
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,7 @@ class Family:
     # Renames one layer's stored tensors (prefix stripped) into the decoder layer's parameter
     # names, where transformers converts them on load (Mixtral's per-expert weights).
     layer_weight_adapter: Callable[[dict], dict] | None = None
+    moe: MoERouting | None = None  # sparse MoE MLP (None: dense)
     notes: str = ""
 
     def decoder_layer(self, config, layer: int):

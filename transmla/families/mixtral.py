@@ -2,7 +2,7 @@ import re
 
 import torch
 
-from .base import Family
+from .base import Family, MoERouting
 
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
@@ -26,6 +26,29 @@ def fuse_experts(tensors: dict) -> dict:
     return out
 
 
+_FUSED = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+_DEEPSEEK_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def deepseek_moe_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """One layer's MoE tensor (layer prefix stripped) under DeepSeek's names, or None if `name` is
+    not part of the MoE. Per-expert w1/w3/w2 are renamed (gate/up/down_proj); transformers 5's fused
+    gate_up_proj [E, 2I, D] and down_proj [E, D, I] are split per expert."""
+    if name in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
+        return [("mlp.gate.weight", tensor)]
+    m = _EXPERT.fullmatch(name)
+    if m:
+        return [(f"mlp.experts.{m.group(1)}.{_DEEPSEEK_EXPERT[m.group(2)]}.weight", tensor)]
+    m = _FUSED.fullmatch(name)
+    if m is None:
+        return None
+    if m.group(1) == "down_proj":
+        return [(f"mlp.experts.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
+    inter = tensor.shape[1] // 2
+    return [(f"mlp.experts.{e}.{part}.weight", w[rows]) for e, w in enumerate(tensor)
+            for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None)))]
+
+
 # The sparse MoE MLP is copied through untouched; only attention changes.
 FAMILY = Family(
     model_type="mixtral",
@@ -33,5 +56,8 @@ FAMILY = Family(
     decoder_layer_class="MixtralDecoderLayer",
     causal_lm_class="MixtralForCausalLM",
     layer_weight_adapter=fuse_experts,
+    # Softmax over all experts, the top k kept and renormalised to sum to one.
+    moe=MoERouting(experts_key="num_local_experts", scoring_func="softmax", renormalize=True,
+                   deepseek_tensors=deepseek_moe_tensors),
     notes="MoE MLP untouched",
 )
