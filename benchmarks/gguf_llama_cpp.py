@@ -2,7 +2,7 @@
 against `transmla eval`, and decode speed + KV cache against the GQA source.
 
     .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase export   # convert (--shared-rope) + GGUFs
-    .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase ppl      # llama-perplexity vs ours (8 windows)
+    .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase ppl      # llama-perplexity vs ours (--windows, 32)
     .venv/bin/python -m benchmarks.gguf_llama_cpp --work DIR --phase speed --types q8_0 --depths 0,4096,16384
     .venv/bin/python -m benchmarks.gguf_llama_cpp --phase report              # table from the JSON
 
@@ -14,7 +14,7 @@ in two engines, and the default 2048 x 16 takes ~40 min per model on the shared 
 `transmla export --format gguf --type T`.
 
 Perplexity: the wiki evaluation text (the same file for both engines; the token streams are
-checked equal), the first 8 windows of 512 tokens, two protocols: llama-perplexity's own (scores the second
+checked equal), the first 32 windows of 512 tokens (`--windows`), two protocols: llama-perplexity's own (scores the second
 half of each window) against our model on exactly those windows and tokens, and `transmla eval`'s
 (every token but the first of each window) for reference.
 
@@ -268,19 +268,20 @@ def phase_report() -> None:
                   "source, d_c + d_r + d_c in the absorbed MLA; binds a compute-bound step).", "",
                   "| weights | threads | model | depth | tokens/s median (min) | load | KV MiB | speedup vs source | ideal (bytes) | ideal (MACs) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for key, entry in speed.items():
-            t = entry["weight_type"]
+        # Rows grouped by weight type and depth, the source first, then the conversions by cache size.
+        rows = sorted(((entry["weight_type"], int(d), not key.startswith("source"), -entry["cache_elements_per_token_layer"], key, d)
+                       for key, entry in speed.items() for d in entry if d.isdigit()))
+        for t, d, _, _, key, depth in rows:
+            entry, row = speed[key], speed[key][depth]
             src = speed.get(f"source-{t}")
-            for depth, row in ((d, r) for d, r in entry.items() if d.isdigit()):
-                d = int(depth)
-                ratio = ideal_bytes = ideal_macs = ""
-                if src and depth in src and not key.startswith("source"):
-                    ratio = f"{row['median_tps'] / src[depth]['median_tps']:.2f}x"
-                    by_bytes, by_macs = ideal_speedups(src, entry, d)
-                    ideal_bytes, ideal_macs = f"{by_bytes:.2f}x", f"{by_macs:.2f}x"
-                lines.append(f"| {t} | {row['threads']} | {key.rsplit('-', 1)[0]} | {d} | {row['median_tps']:.1f} ({row['min_tps']:.1f}) | "
-                             f"{row['load_before'][0]:.1f} | {kv_mib(entry['cache_elements_per_token_layer'], d):.1f} | "
-                             f"{ratio} | {ideal_bytes} | {ideal_macs} |")
+            ratio = ideal_bytes = ideal_macs = ""
+            if src and depth in src and not key.startswith("source"):
+                ratio = f"{row['median_tps'] / src[depth]['median_tps']:.2f}x"
+                by_bytes, by_macs = ideal_speedups(src, entry, d)
+                ideal_bytes, ideal_macs = f"{by_bytes:.2f}x", f"{by_macs:.2f}x"
+            lines.append(f"| {t} | {row['threads']} | {key.rsplit('-', 1)[0]} | {d} | {row['median_tps']:.1f} ({row['min_tps']:.1f}) | "
+                         f"{row['load_before'][0]:.1f} | {kv_mib(entry['cache_elements_per_token_layer'], d):.1f} | "
+                         f"{ratio} | {ideal_bytes} | {ideal_macs} |")
         lines.append("")
     OUT_MD.write_text("\n".join(lines))
     print(OUT_MD.read_text())
