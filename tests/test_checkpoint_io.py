@@ -100,6 +100,29 @@ def test_writer_contiguous_views_and_duplicates(tmp_path: Path) -> None:
         assert torch.equal(reader.get("row"), base[1])
 
 
+def test_streamed_shard_is_byte_identical_to_safetensors(tmp_path: Path) -> None:
+    # The writer spills tensors to disk and lays the shard out itself; the file must be exactly
+    # what safetensors writes for the same tensors (its order: dtype, largest first, then name).
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "z.bf16": torch.randn(3, 5, generator=g).bfloat16(), "a.f32": torch.randn(7, generator=g),
+        "m.f16": torch.randn(2, 2, generator=g).half(), "b.i64": torch.arange(5), "c.f64": torch.randn(1, generator=g).double(),
+        "e.empty": torch.zeros(0, 4), "s.scalar": torch.tensor(2.5), "k.bool": torch.tensor([True, False, True]),
+        "a.f16": torch.ones(3, dtype=torch.float16), "q.i8": torch.arange(-3, 3, dtype=torch.int8),
+    }
+    with ShardedWriter(tmp_path / "ours") as writer:
+        for name, t in tensors.items():
+            writer.add(name, t)
+    save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["model.safetensors"]  # no scratch left
+
+
+def test_writer_refuses_dtypes_safetensors_cannot_store(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="complex64"):
+        ShardedWriter(tmp_path).add("c", torch.zeros(2, dtype=torch.complex64))
+
+
 def test_writer_aborts_on_exception(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         with ShardedWriter(tmp_path, max_shard_bytes=16) as writer:

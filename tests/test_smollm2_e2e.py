@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from transmla.checkpoint.resolve import _gguf_metadata, builtin_gguf, load_model, resolve_model_dir
+from transmla.checkpoint.builtin import builtin_gguf
+from transmla.checkpoint.gguf_source import gguf_metadata
+from transmla.checkpoint.resolve import cache_root, load_model, resolve_model_dir
 from transmla.convert.api import convert
 from transmla.convert.options import ConvertOptions
 from transmla.data.texts import load_text
@@ -26,7 +28,7 @@ def lossless_dir(tmp_path_factory):
 
 
 def test_builtin_tokenizer_matches_gguf_metadata():
-    meta = _gguf_metadata(builtin_gguf("smollm2-135m"))
+    meta = gguf_metadata(builtin_gguf("smollm2-135m", cache_root()))
     _, tok = load_model("smollm2-135m")
     assert tok.bos_token_id == meta["bos_token_id"] and tok.eos_token_id == meta["eos_token_id"]
     ids = tok("Hello world").input_ids

@@ -1,8 +1,14 @@
-"""Lazy, one-tensor-at-a-time reading of a safetensors checkpoint directory."""
+"""Lazy, one-tensor-at-a-time reading of a safetensors checkpoint directory.
+
+Tensors are read with plain file reads into memory of their own, not through a memory map: the
+pages of a mapped checkpoint stay resident while it is open, so streaming a 7 GB checkpoint
+through one would count 7 GB against the process (measured on a 1.5B model).
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -60,6 +66,7 @@ class SafetensorsReader:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {self.directory}")
         self._handles: dict[str, Any] = {}
+        self._layouts: dict[str, tuple[int, dict]] = {}  # file -> (data start, header)
         self._weight_map: dict[str, str] = self._discover()
 
     # -- discovery -------------------------------------------------------------------------
@@ -134,14 +141,28 @@ class SafetensorsReader:
         """The safetensors file names that hold the tensors."""
         return sorted(set(self._weight_map.values()))
 
+    def _layout(self, file: str) -> tuple[int, dict]:
+        """(offset of the data, header) of a file whose header safe_open has already checked."""
+        if file not in self._layouts:
+            self._handle(file)
+            with open(self.directory / file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self._layouts[file] = (8 + length, json.loads(f.read(length)))
+        return self._layouts[file]
+
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor (CPU, stored dtype); a tensor holding NaN or Inf is refused, by name."""
         file = self._file_of(name)
-        try:
-            tensor = self._handle(file).get_tensor(name)
-        except Exception as e:  # a shard cut short after its header
-            raise ValueError(f"cannot read tensor {name!r} from {self.directory / file}: {_first_line(e)}") from None
-        return require_finite(tensor, f"tensor {name!r} in {self.directory / file}")
+        path = self.directory / file
+        base, header = self._layout(file)
+        start, end = header[name]["data_offsets"]
+        tensor = torch.empty(self.shape_of(name), dtype=self.dtype_of(name))
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            read = f.readinto(tensor.reshape(-1).view(torch.uint8).numpy())  # straight into the tensor
+        if read != end - start:  # a shard cut short after its header
+            raise ValueError(f"cannot read tensor {name!r} from {path}: {read} of its {end - start} bytes are there")
+        return require_finite(tensor, f"tensor {name!r} in {path}")
 
     def dtype_of(self, name: str) -> torch.dtype:
         """Stored dtype of a tensor, read from the header only."""
@@ -158,6 +179,7 @@ class SafetensorsReader:
     def close(self) -> None:
         """Close every open file handle (the reader can still be reopened lazily)."""
         handles, self._handles = self._handles, {}
+        self._layouts = {}
         for handle in handles.values():
             handle.__exit__(None, None, None)
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,8 +16,6 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-from safetensors.torch import save_file
-
 from ..progress import stderr_console
 from .files import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from .finite import require_finite
@@ -67,17 +66,52 @@ def _part_name(index: int) -> str:
 
 
 def _detached_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor that owns its storage (safetensors rejects shared storage)."""
-    t = tensor.detach().to("cpu").contiguous()
-    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes:
-        t = t.clone()
-    return t
+    """A contiguous CPU tensor."""
+    return tensor.detach().to("cpu").contiguous()
+
+
+# safetensors' dtype names, in the order its serializer lays tensors out in a file: by its dtype
+# enum, largest first, then by name. Writing that order ourselves makes a streamed shard
+# byte-identical to `safetensors.torch.save_file` of the same tensors (tested).
+_SAFETENSORS_DTYPES = {
+    torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.float32: "F32",
+    torch.uint32: "U32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.uint16: "U16", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+_LAYOUT_RANK = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPES.values())}
+_COPY_CHUNK = 64 * 2**20
+
+
+def _write_safetensors(path: Path, entries: list[tuple[str, str, list[int], int, int]], data) -> None:
+    """One safetensors file at `path` from tensors already spilled to the open file `data`.
+
+    entries: (name, dtype name, shape, offset in `data`, bytes). Format: an 8-byte little-endian
+    header length, the JSON header (spaces pad it to a multiple of 8), then the tensors' bytes.
+    """
+    order = sorted(entries, key=lambda e: (_LAYOUT_RANK[e[1]], e[0]))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    start = 0
+    for name, dtype, shape, _, nbytes in order:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + nbytes]}
+        start += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)))
+        out.write(text)
+        for _, _, _, offset, nbytes in order:
+            data.seek(offset)
+            while nbytes:
+                chunk = data.read(min(nbytes, _COPY_CHUNK))
+                out.write(chunk)
+                nbytes -= len(chunk)
 
 
 class ShardedWriter:
     """Write tensors to safetensors shards of at most ``max_shard_bytes`` each.
 
-    Only the shard being filled is held in memory. :meth:`close` names the shards
+    Nothing but the tensor being added is held in memory: each tensor is spilled to a scratch
+    file beside the shards, and a full shard is written from it. :meth:`close` names the shards
     ``model-0000i-of-0000N.safetensors`` and writes ``model.safetensors.index.json``; a
     single shard is written as plain ``model.safetensors`` without an index. A tensor larger
     than the limit gets a shard of its own; a tensor holding NaN or Inf is refused by name. Used as a context manager, an exception
@@ -91,8 +125,9 @@ class ShardedWriter:
         stale = [p.name for p in self.out_dir.glob("model*.safetensors*")]
         if stale:
             raise FileExistsError(f"{self.out_dir} already holds checkpoint files: {stale[0]}")
-        self._buffer: dict[str, torch.Tensor] = {}
+        self._entries: list[tuple[str, str, list[int], int, int]] = []  # the shard being filled
         self._buffer_bytes = 0
+        self._spill = None  # scratch file of the shard being filled
         self._parts: list[list[str]] = []  # tensor names per flushed shard
         self._names: set[str] = set()
         self._total_bytes = 0
@@ -108,22 +143,38 @@ class ShardedWriter:
             raise ValueError(f"duplicate tensor name {name!r}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"{name!r}: safetensors cannot store dtype {tensor.dtype}")
         t = require_finite(_detached_cpu(tensor), f"output tensor {name!r}")
-        if self._buffer and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
+        if self._entries and self._buffer_bytes + t.nbytes > self.max_shard_bytes:
             self._flush()
+        if self._spill is None:
+            self._spill = open(self._spill_path(), "w+b")
         self._names.add(name)
-        self._buffer[name] = t
+        self._entries.append((name, _SAFETENSORS_DTYPES[t.dtype], list(t.shape), self._buffer_bytes, t.nbytes))
+        self._spill.write(t.reshape(-1).view(torch.uint8).numpy())
         self._buffer_bytes += t.nbytes
         self._total_bytes += t.nbytes
 
+    def _spill_path(self) -> Path:
+        return self.out_dir / (_part_name(len(self._parts) + 1) + ".data")
+
+    def _drop_spill(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+            self._spill_path().unlink(missing_ok=True)
+
     def _flush(self) -> None:
-        if not self._buffer:
+        if not self._entries:
             return
         path = self.out_dir / _part_name(len(self._parts) + 1)
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        self._spill.flush()
+        _write_safetensors(path, self._entries, self._spill)
+        self._drop_spill()
         usual_file_mode(path)
-        self._parts.append(list(self._buffer))
-        self._buffer = {}
+        self._parts.append([e[0] for e in self._entries])
+        self._entries = []
         self._buffer_bytes = 0
 
     @property
@@ -160,7 +211,8 @@ class ShardedWriter:
     def abort(self) -> None:
         """Drop buffered tensors and delete shards flushed so far."""
         self._closed = True
-        self._buffer = {}
+        self._drop_spill()
+        self._entries = []
         for i in range(1, len(self._parts) + 1):
             (self.out_dir / _part_name(i)).unlink(missing_ok=True)
         self._parts = []

@@ -22,7 +22,7 @@ METHOD_HELP = " | ".join(f"{m.name} ({m.help})" for m in METHODS.values())
 
 
 def convert(
-    source: Annotated[str, typer.Argument(help="Local HF folder, .gguf file, hub id, or the built-in 'smollm2-135m'.")],
+    source: Annotated[str, typer.Argument(help="Local HF folder, .gguf file, hub id, or a built-in name (smollm2-135m, qwen2.5-coder-1.5b).")],
     output: Annotated[Path, typer.Argument(help="Output folder (written atomically; must be empty unless --force).")],
     method: Annotated[str, Opt(help=METHOD_HELP + ".")] = "lossless",
     eval_data: Annotated[str | None, Opt(help="Print perplexity on this text after each stage of the method.")] = None,

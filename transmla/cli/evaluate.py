@@ -20,7 +20,7 @@ Opt = typer.Option
 
 
 def evaluate(
-    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, 'smollm2-135m', or a converted model.")],
+    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, a built-in name (smollm2-135m, qwen2.5-coder-1.5b), or a converted model.")],
     compare: Annotated[str | None, Opt(help="Also evaluate this (source) model under the same protocol; one table.")] = None,
     report: Annotated[Path | None, Opt(help="Write report.json, report.md and PNG plots into this folder.")] = None,
     *,

@@ -17,7 +17,7 @@ Opt = typer.Option
 
 
 def generate(
-    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, 'smollm2-135m', or a converted model.")],
+    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, a built-in name (smollm2-135m, qwen2.5-coder-1.5b), or a converted model.")],
     prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     max_new_tokens: Annotated[int, Opt(help="Tokens to generate.")] = 32,
     chat: Annotated[bool, Opt("--chat", help="Wrap the prompt in the tokenizer's chat template.")] = False,

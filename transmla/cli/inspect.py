@@ -13,7 +13,7 @@ from .common import JsonFlag, emit, pick_dtype
 
 
 def inspect(
-    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, 'smollm2-135m', or a converted model.")],
+    model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, a built-in name (smollm2-135m, qwen2.5-coder-1.5b), or a converted model.")],
     dtype: Annotated[str | None, typer.Option(help="Cache dtype for byte counts (default: the model's).")] = None,
     context: Annotated[int | None, typer.Option(help="Also give the cache size at this many tokens.")] = None,
     as_json: JsonFlag = False,

@@ -21,7 +21,7 @@ Opt = typer.Option
 
 
 def sweep(
-    source: Annotated[str, typer.Argument(help="Local HF folder, .gguf file, hub id, or the built-in 'smollm2-135m'.")],
+    source: Annotated[str, typer.Argument(help="Local HF folder, .gguf file, hub id, or a built-in name (smollm2-135m, qwen2.5-coder-1.5b).")],
     out: Annotated[Path, Opt("--out", help="Folder for sweep.json, sweep.md, sweep.png (and models/ with --keep).")],
     method: Annotated[str, Opt(help="transmla | mha2mla, or both comma-separated (one line each).")] = "transmla",
     budgets: Annotated[str, Opt(help="Fractions of the source KV cache, comma-separated.")] = "0.5,0.25,0.125",

@@ -109,6 +109,7 @@ class TrainSpec(_Strict):
     threads: int | None = Field(None, ge=1)  # torch CPU threads (None: torch's default)
     seed: int = 0
     log_every: int = Field(10, ge=1)
+    timeout_seconds: int = Field(600, ge=1)  # several processes: how long one waits for the others before failing
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":

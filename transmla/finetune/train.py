@@ -28,6 +28,7 @@ import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,8 @@ class TrainerState:
 
     step: int = 0
     tokens: int = 0
+    processes: int = 1
+    sequences_per_step: int = 0  # processes x micro_batch_size x grad_accum (0: not recorded)
     train_log: list[dict] = field(default_factory=list)
     eval_log: list[dict] = field(default_factory=list)
 
@@ -156,6 +159,29 @@ def _hardware(accelerator) -> str:
         return f"{accelerator.num_processes} x {name}, torch {torch.__version__}"
     threads = torch.get_num_threads()
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {threads} threads), torch {torch.__version__}"
+
+
+def _sum_over_processes(accelerator, value: float) -> float:
+    """`value` summed over all processes (itself with one), as float64."""
+    if accelerator.num_processes == 1:
+        return value
+    total = accelerator.reduce(torch.tensor([value], dtype=torch.float64, device=accelerator.device), reduction="sum")
+    return total.item() if isinstance(value, float) else int(total.item())
+
+
+def _check_resume_layout(resume: Path, state: TrainerState, world: int, micro: int, accum: int) -> None:
+    """A run resumes on another number of processes only with the same sequences per step: the
+    data order and the schedule are functions of (step, sequences per step)."""
+    before = state.sequences_per_step
+    now = micro * accum * world
+    if before and before != now:
+        hint = (f"; with {world} process{'es' if world > 1 else ''} set train.grad_accum to {before // (micro * world)}"
+                if before % (micro * world) == 0 else "")
+        raise ValueError(
+            f"{resume} was written by {state.processes} process{'es' if state.processes > 1 else ''} taking {before} "
+            f"sequences per step; this run takes {now} ({world} x micro_batch_size {micro} x grad_accum {accum}): "
+            f"resuming needs the same sequences per step{hint}"
+        )
 
 
 def _log(accelerator, message: str) -> None:
@@ -461,7 +487,7 @@ def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: boo
 
 def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResult:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     tr = recipe.train
@@ -469,9 +495,11 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
         torch.set_num_threads(tr.threads)
     if tr.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device is cuda, but no CUDA GPU is available")
+    # A process that dies leaves the others waiting in a collective: they give up after the timeout.
     accelerator = Accelerator(
         cpu=tr.device == "cpu", mixed_precision="bf16" if tr.precision == "bf16" else "no",
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=tr.timeout_seconds))],
     )
     set_seed(tr.seed)
     out = recipe.output_dir
@@ -511,7 +539,9 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
         state.load_state_dict(load_training_state(
             resume, accelerator.unwrap_model(model), optimizer, scheduler, rank=accelerator.process_index
         ))
+        _check_resume_layout(resume, state, world, B, A)
         _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
+    state.processes, state.sequences_per_step = world, B * A * world
 
     def evaluate(windows: int | None, tag: str) -> dict | None:
         if eval_ids is None:
@@ -539,7 +569,10 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
             t0 = time.perf_counter()
             idx = sampler.indices(state.step).view(A, world, B)[:, accelerator.process_index]  # [A, B]
             batches = [data.batch(i) for i in idx]
-            scored = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+            # The step's loss is the mean NLL over the scored tokens of every process. DDP averages
+            # gradients over the processes, so each one scales its sum by world / (all scored
+            # tokens): the gradient is then the one a single process would get for the whole batch.
+            scored = _sum_over_processes(accelerator, sum(int((b["labels"] != IGNORE).sum()) for b in batches))
             loss_sum = 0.0
             for a, batch in enumerate(batches):
                 batch = {k: v.to(device) for k, v in batch.items()}
@@ -552,8 +585,9 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
                     nll = F.cross_entropy(
                         logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
                     )
-                    accelerator.backward(nll / max(1, scored))
+                    accelerator.backward(nll * world / max(1, scored))
                 loss_sum += nll.item()
+            loss_sum = _sum_over_processes(accelerator, loss_sum)
             grad_norm = None
             if opt.grad_clip is not None:
                 grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip))

@@ -1,0 +1,141 @@
+"""Fine-tuning on two processes (CPU, gloo) through `accelerate launch`, as the README says to run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from test_finetune import _recipe, tiny  # noqa: F401  (the module's tiny model fixture)
+
+TRANSMLA = Path(sys.executable).parent / "transmla"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    # The launched processes import this checkout's transmla; no user accelerate config may leak
+    # in; one thread per process on the shared CPU.
+    import transmla
+
+    path = os.pathsep.join(filter(None, [str(Path(transmla.__file__).parent.parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HOME": os.environ.get("HF_HOME", "/nonexistent-hf-home"),
+            "ACCELERATE_CONFIG_FILE": "/nonexistent-accelerate-config.yaml"}
+
+
+def _finetune(recipe: dict, path: Path, processes: int, timeout: float = 240, *extra: str) -> subprocess.CompletedProcess:
+    path.write_text(yaml.safe_dump(recipe))
+    if processes == 1:
+        cmd = [str(TRANSMLA), "finetune", str(path), "--json", *extra]
+    else:
+        cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+               str(TRANSMLA), "finetune", str(path), "--json", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in json.loads((out / "metrics.json").read_text())["train_log"]]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_with_the_same_global_batch(tiny, tmp_path):  # noqa: F811
+    # 8 sequences per step either way: 1 process x 2 x grad_accum 4, or 2 processes x 2 x 2.
+    one = _recipe(tiny, tmp_path / "one", train={"grad_accum": 4, "steps": 4, "log_every": 1})
+    two = _recipe(tiny, tmp_path / "two", train={"grad_accum": 2, "steps": 4, "log_every": 1})
+    r1 = _finetune(one, tmp_path / "one.yaml", 1)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    r2 = _finetune(two, tmp_path / "two.yaml", 2)
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 4
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6), (a, b)
+    assert a[-1] < a[0]  # it trained
+    # One writer: the model, the logs and one checkpoint set, each once.
+    wa = load_file(tmp_path / "one" / "model" / "model.safetensors")
+    wb = load_file(tmp_path / "two" / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], rtol=1e-4, atol=1e-6), name
+    summary = json.loads((tmp_path / "two" / "metrics.json").read_text())["summary"]
+    assert summary["steps"] == 4 and summary["tokens"] == 4 * 8 * 32
+    assert r2.stdout.count('"steps"') == 1  # the result is printed by the main process only
+    evals = json.loads((tmp_path / "two" / "metrics.json").read_text())["eval_log"]
+    assert len(evals) == len(json.loads((tmp_path / "one" / "metrics.json").read_text())["eval_log"])
+
+
+@pytest.mark.slow
+def test_resume_on_another_process_count(tiny, tmp_path):  # noqa: F811
+    # Two processes stop after 2 of 4 steps; one process resumes with the same sequences per step
+    # and ends where an uninterrupted one-process run ends. Another batch is refused, with the fix.
+    out = tmp_path / "run"
+    two = _recipe(tiny, out, train={"grad_accum": 2, "steps": 4, "log_every": 1}, checkpoint={"every": 2})
+    r = _finetune(two, tmp_path / "two.yaml", 2, 240, "--set", "train.steps=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    bad = _recipe(tiny, out, train={"grad_accum": 2, "steps": 4}, checkpoint={"every": 2})
+    r = _finetune(bad, tmp_path / "bad.yaml", 1)
+    assert r.returncode == 1
+    assert "was written by 2 processes taking 8 sequences per step; this run takes 4" in r.stderr
+    assert "set train.grad_accum to 4" in r.stderr
+    good = _recipe(tiny, out, train={"grad_accum": 4, "steps": 4, "log_every": 1}, checkpoint={"every": 2})
+    r = _finetune(good, tmp_path / "good.yaml", 1)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = _recipe(tiny, tmp_path / "ref", train={"grad_accum": 4, "steps": 4, "log_every": 1})
+    assert _finetune(ref, tmp_path / "ref.yaml", 1).returncode == 0
+    assert torch.allclose(torch.tensor(_losses(out)), torch.tensor(_losses(tmp_path / "ref")), rtol=1e-5, atol=1e-6)
+
+
+def _worker_pid(recipe: Path, rank: int) -> int | None:
+    """The launched worker of `rank` running `recipe` (found through /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if str(recipe).encode() in cmd and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_other(tiny, tmp_path):  # noqa: F811
+    import signal
+    import time
+
+    recipe = _recipe(tiny, tmp_path / "run", train={"grad_accum": 2, "steps": 100000, "log_every": 1, "timeout_seconds": 30})
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(TRANSMLA), "finetune", str(path)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        pid = None
+        while pid is None and time.monotonic() < deadline and launcher.poll() is None:
+            pid = _worker_pid(path, 1)
+            time.sleep(0.5)
+        time.sleep(5)  # into the run: loading, evaluating or training
+        assert pid is not None, "the second worker never started"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = launcher.communicate(timeout=90)  # the other one must not hang
+        assert launcher.returncode != 0
+        assert time.monotonic() - killed < 90
+        assert "SIGKILL" in err or "Signal 9" in err or "exitcode" in err, err[-1500:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
