@@ -14,6 +14,7 @@ every process. The loss is the mean next-token NLL over the step's scored tokens
 cross a document boundary are dropped, see data.py). The data order is a function of
 (seed, step), and a checkpoint holds everything else, so a resumed run repeats the losses of an
 uninterrupted one exactly (tested on the CPU).
+With train.fsdp the model is sharded over the processes (FSDP2, see _shard_model).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class FinetuneResult:
     converted_dir: str | None = None
     train_sequences: int = 0  # packed training sequences available
     epochs: float = 0.0  # passes over them
+    trainable_per_process: list[int] | None = None  # train.fsdp: trainable values each process holds
 
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,6 +258,33 @@ def _prepare_model(model, recipe: Recipe) -> tuple[int, int]:
     return counts
 
 
+def _shard_model(model, accelerator) -> list[int]:
+    """train.fsdp: each decoder layer, then the rest, sharded over the processes (FSDP2: every
+    parameter split along dim 0, gathered for its layer's forward and backward, gradients
+    reduce-scattered and averaged as DDP averages them). Returns the trainable values each process
+    holds (about trainable / processes each)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("train.fsdp: the model has no model.layers to shard")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    local = sum(p.to_local().numel() for p in model.parameters() if p.requires_grad)
+    held = accelerator.gather(torch.tensor([local], device=accelerator.device))  # [processes]
+    return [int(v) for v in held.tolist()]
+
+
+def _full_state_dict(model, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on the CPU (FSDP: gathered from every process; call on all)."""
+    if not fsdp:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 # --- data ----------------------------------------------------------------------------------------
 
 
@@ -296,10 +325,12 @@ def _evaluate(model, ids: torch.Tensor, recipe: Recipe, accelerator, windows: in
     ctx = accelerator.autocast() if recipe.train.precision == "bf16" else nullcontext()
     parts = []
     with ctx:
-        head = perplexity(model, ids[: short * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False)
+        head = perplexity(model, ids[: short * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False,
+                          inference_mode=not recipe.train.fsdp)
         parts.append(head)
         if n > short:
-            parts.append(perplexity(model, ids[short * e.seq_len : n * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False))
+            parts.append(perplexity(model, ids[short * e.seq_len : n * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False,
+                          inference_mode=not recipe.train.fsdp))
     rows = [{"windows": short, "tokens": head.tokens, "nll": head.nll, "perplexity": head.perplexity}]
     if len(parts) > 1:
         tokens = sum(p.tokens for p in parts)
@@ -330,6 +361,9 @@ def _resume_dir(recipe: Recipe) -> Path | None:
 
 
 def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState, model, optimizer, scheduler) -> Path:
+    if recipe.train.fsdp:
+        raise ValueError("train.fsdp: checkpoints of sharded training state are not written yet; a run with "
+                         "train.fsdp must run to its end in one go (set checkpoint.every: 0)")
     root = recipe.output_dir / "checkpoints"
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = root / f".{final.name}.tmp"
@@ -433,13 +467,18 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
 
     out = recipe.output_dir / "model"
     accelerator.wait_for_everyone()
+    fsdp = recipe.train.fsdp
+    full = _full_state_dict(model, fsdp) if fsdp else None  # a collective: every process takes part
     if accelerator.is_main_process:
         net = accelerator.unwrap_model(model)
-        save_dtype = recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32")
+        save_dtype = torch_dtype(recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32"))
         if recipe.train.gradient_checkpointing:
             (getattr(net, "activation_checkpointing_disable", None) or net.gradient_checkpointing_disable)()
-        net.to(torch_dtype(save_dtype))
-        for name, p in net.state_dict().items():
+        if fsdp:
+            full = {k: v.to(save_dtype) for k, v in full.items()}
+        else:
+            net.to(save_dtype)
+        for name, p in (full if fsdp else net.state_dict()).items():
             require_finite(p, f"fine-tuned tensor {name!r}")
         mla = dict(net.config.mla)
         mla["method"] = {**mla.get("method", {}), "finetune": {
@@ -449,7 +488,7 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
         net.config.mla = mla
         net.config.use_cache = True
         with atomic_output_dir(out, force=True) as tmp:  # never through a symlink; nothing half-written
-            net.save_pretrained(tmp, safe_serialization=True)
+            net.save_pretrained(tmp, safe_serialization=True, state_dict=full)
             for written in tmp.glob("*.safetensors"):
                 usual_file_mode(written)
             if not copy_tokenizer_files(model_dir, tmp):
@@ -515,12 +554,15 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
     total_steps = recipe.total_steps(world)
     B, A = tr.micro_batch_size, tr.grad_accum
     sampler = StepSampler(len(data), B * A * world, seed=tr.seed)
+    held = _shard_model(model, accelerator) if tr.fsdp else None
     _log(accelerator, (
         f"model {model_dir} | trainable {trainable:,} of {total:,} parameters ({tr.trainable}) | "
         f"{len(data)} sequences x {recipe.data.seq_len} tokens from {data.documents} documents | "
         f"{total_steps} steps x {B * A * world} sequences = {total_steps * B * A * world * recipe.data.seq_len:,} tokens | "
         f"{_hardware(accelerator)}"
     ))
+    if held is not None:
+        _log(accelerator, f"fsdp: trainable values held by each of the {world} processes: {held} (of {trainable:,})")
 
     opt = recipe.optimizer
     optimizer = torch.optim.AdamW(
@@ -531,10 +573,16 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(sch.kind, s, total_steps, sch.warmup_steps, sch.min_lr_ratio)
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if tr.fsdp:  # already sharded; accelerate must not wrap it in DDP as well
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainerState()
 
     resume = _resume_dir(recipe)
+    if resume is not None and tr.fsdp:
+        raise ValueError(f"train.fsdp: cannot resume from {resume} (sharded runs write no checkpoints yet); "
+                         "use another output_dir or train without fsdp")
     if resume is not None:
         state.load_state_dict(load_training_state(
             resume, accelerator.unwrap_model(model), optimizer, scheduler, rank=accelerator.process_index
@@ -547,11 +595,14 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
         if eval_ids is None:
             return None
         row = None
-        if accelerator.is_main_process:
+        # FSDP: every process runs the forward (each layer is gathered from all); only the main one logs.
+        if accelerator.is_main_process or tr.fsdp:
             net = accelerator.unwrap_model(model)
             for r in _evaluate(net, eval_ids, recipe, accelerator, windows):
                 row = {"step": state.step, "tokens": state.tokens, "tag": tag, "seq_len": recipe.eval.seq_len, **r}
-                state.eval_log.append(row)
+                if accelerator.is_main_process:
+                    state.eval_log.append(row)
+        if accelerator.is_main_process:
             _log(accelerator, f"step {state.step}: held-out perplexity {row['perplexity']:.3f} ({row['windows']} windows, {tag})")
         accelerator.wait_for_everyone()
         return row
@@ -576,7 +627,7 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
             loss_sum = 0.0
             for a, batch in enumerate(batches):
                 batch = {k: v.to(device) for k, v in batch.items()}
-                sync = nullcontext() if a == A - 1 else accelerator.no_sync(model)
+                sync = nullcontext() if a == A - 1 or tr.fsdp else accelerator.no_sync(model)
                 with sync, accelerator.autocast():
                     logits = model(
                         input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -590,7 +641,8 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
             loss_sum = _sum_over_processes(accelerator, loss_sum)
             grad_norm = None
             if opt.grad_clip is not None:
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip))
+                norm = accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip)
+                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -655,6 +707,7 @@ def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResu
         converted_dir=converted,
         train_sequences=len(data),
         epochs=round(sampler.epoch(state.step), 4),
+        trainable_per_process=held,
     )
     if done:
         result.model_dir = str(_save_model(accelerator, model, recipe, model_dir, state))
