@@ -121,8 +121,11 @@ def perplexity(
     batch_size: int = 4,
     progress: bool = True,
     first_scored: int = 1,
+    inference_mode: bool = True,
 ) -> PerplexityResult:
-    """Perplexity of ``model`` (any HF causal LM) on the 1-D token stream ``ids``."""
+    """Perplexity of ``model`` (any HF causal LM) on the 1-D token stream ``ids``.
+    ``inference_mode=False`` runs under no_grad instead, for a model whose tensors are written
+    in place afterwards (an FSDP-sharded one in training re-gathers into the same buffers)."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # [N]
     windows = plan_windows(ids.numel(), seq_len, max_windows, stride, first_scored)
     device = _model_device(model)
@@ -131,7 +134,7 @@ def perplexity(
     total_nll = 0.0  # python float == float64
     scored = 0
     try:
-        with torch.inference_mode():
+        with torch.inference_mode() if inference_mode else torch.no_grad():
             batches = _batches(windows, max(1, batch_size))
             for batch in progress_bar(batches, "perplexity", enabled=progress, total=len(windows), size=len):
                 x = torch.stack([ids[w.begin : w.end] for w in batch]).to(device)  # [B, T]

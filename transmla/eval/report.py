@@ -6,7 +6,9 @@ Two kinds of report share the helpers here:
   (perplexity, KV elements and bytes per token per layer and for the whole model at a context,
   the cache measured after generating tokens), the change against the source, the protocol;
 - a budget sweep (``transmla sweep``): perplexity against the fraction of the source KV cache,
-  one line per method or setting, the source model as a horizontal line.
+  one line per method or setting, the source model as a horizontal line;
+
+and ``plot_curves`` draws a fine-tuning run's training loss and held-out perplexity.
 
 Plots use matplotlib's Agg backend (no display needed).
 """
@@ -279,6 +281,38 @@ def _pyplot():
 
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+def plot_curves(train_log: list[dict], eval_log: list[dict], path: Path, title: str | None = None) -> None:
+    """Training loss and held-out perplexity against optimizer steps (PNG)."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if train_log:
+        steps = [r["step"] for r in train_log]
+        loss = [r["loss"] for r in train_log]
+        ax1.plot(steps, loss, lw=0.6, alpha=0.5, label="per step")
+        k = max(1, len(loss) // 30)
+        smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
+        ax1.plot(steps, smooth, lw=1.5, label=f"mean of {k}")
+        ax1.set_xlabel("optimizer step")
+        ax1.set_ylabel("training loss (nats/token)")
+        ax1.legend()
+    by_windows: dict[int, list[dict]] = {}
+    for r in eval_log:
+        by_windows.setdefault(r["windows"], []).append(r)
+    for windows, rows in sorted(by_windows.items()):
+        style = "o-" if len(rows) > 2 else "s"
+        ax2.plot([r["step"] for r in rows], [r["perplexity"] for r in rows], style, label=f"{windows} windows x {rows[0].get('seq_len', '')}")
+    if eval_log:
+        ax2.set_xlabel("optimizer step")
+        ax2.set_ylabel("held-out perplexity")
+        ax2.set_yscale("log")
+        ax2.legend()
+    if title:
+        fig.suptitle(title[:120], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_compare(report: Mapping[str, Any], out_dir: Path) -> list[Path]:

@@ -110,6 +110,7 @@ class TrainSpec(_Strict):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     timeout_seconds: int = Field(600, ge=1)  # several processes: how long one waits for the others before failing
+    fsdp: bool = False  # several processes: shard parameters, gradients and AdamW state across them (torch FSDP2)
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSpec":
@@ -164,6 +165,12 @@ class Recipe(_Strict):
     output_dir: Path
     save_dtype: Literal["fp32", "bf16", "fp16"] | None = None  # final model dtype (None: fp32, or bf16 under bf16)
     notes: str | None = None  # free text carried into the output (what this recipe should reach)
+
+    @model_validator(mode="after")
+    def _fsdp_without_checkpoints(self) -> "Recipe":
+        if self.train.fsdp and self.checkpoint.every:
+            raise ValueError("train.fsdp writes no checkpoints of its sharded state yet: set checkpoint.every to 0")
+        return self
 
     def total_steps(self, world_size: int = 1) -> int:
         """Optimizer steps: train.steps, or the token budget over tokens per step."""

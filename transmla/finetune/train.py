@@ -14,6 +14,7 @@ every process. The loss is the mean next-token NLL over the step's scored tokens
 cross a document boundary are dropped, see data.py). The data order is a function of
 (seed, step), and a checkpoint holds everything else, so a resumed run repeats the losses of an
 uninterrupted one exactly (tested on the CPU).
+With train.fsdp the model is sharded over the processes (FSDP2, see _shard_model).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class FinetuneResult:
     converted_dir: str | None = None
     train_sequences: int = 0  # packed training sequences available
     epochs: float = 0.0  # passes over them
+    trainable_per_process: list[int] | None = None  # train.fsdp: trainable values each process holds
 
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,6 +258,33 @@ def _prepare_model(model, recipe: Recipe) -> tuple[int, int]:
     return counts
 
 
+def _shard_model(model, accelerator) -> list[int]:
+    """train.fsdp: each decoder layer, then the rest, sharded over the processes (FSDP2: every
+    parameter split along dim 0, gathered for its layer's forward and backward, gradients
+    reduce-scattered and averaged as DDP averages them). Returns the trainable values each process
+    holds (about trainable / processes each)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("train.fsdp: the model has no model.layers to shard")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    local = sum(p.to_local().numel() for p in model.parameters() if p.requires_grad)
+    held = accelerator.gather(torch.tensor([local], device=accelerator.device))  # [processes]
+    return [int(v) for v in held.tolist()]
+
+
+def _full_state_dict(model, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on the CPU (FSDP: gathered from every process; call on all)."""
+    if not fsdp:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 # --- data ----------------------------------------------------------------------------------------
 
 
@@ -296,10 +325,12 @@ def _evaluate(model, ids: torch.Tensor, recipe: Recipe, accelerator, windows: in
     ctx = accelerator.autocast() if recipe.train.precision == "bf16" else nullcontext()
     parts = []
     with ctx:
-        head = perplexity(model, ids[: short * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False)
+        head = perplexity(model, ids[: short * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False,
+                          inference_mode=not recipe.train.fsdp)
         parts.append(head)
         if n > short:
-            parts.append(perplexity(model, ids[short * e.seq_len : n * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False))
+            parts.append(perplexity(model, ids[short * e.seq_len : n * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False,
+                          inference_mode=not recipe.train.fsdp))
     rows = [{"windows": short, "tokens": head.tokens, "nll": head.nll, "perplexity": head.perplexity}]
     if len(parts) > 1:
         tokens = sum(p.tokens for p in parts)
@@ -330,6 +361,9 @@ def _resume_dir(recipe: Recipe) -> Path | None:
 
 
 def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState, model, optimizer, scheduler) -> Path:
+    if recipe.train.fsdp:
+        raise ValueError("train.fsdp: checkpoints of sharded training state are not written yet; a run with "
+                         "train.fsdp must run to its end in one go (set checkpoint.every: 0)")
     root = recipe.output_dir / "checkpoints"
     final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
     tmp = root / f".{final.name}.tmp"
@@ -388,43 +422,9 @@ def _write_logs(recipe: Recipe, state: TrainerState, summary: dict | None = None
             writer.writerows(rows)
     payload = {"summary": summary, "train_log": state.train_log, "eval_log": state.eval_log}
     (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))
+    from ..eval.report import plot_curves
+
     plot_curves(state.train_log, state.eval_log, out / "curves.png", title=recipe.notes)
-
-
-def plot_curves(train_log: list[dict], eval_log: list[dict], path: Path, title: str | None = None) -> None:
-    """Training loss and held-out perplexity against optimizer steps (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    if train_log:
-        steps = [r["step"] for r in train_log]
-        loss = [r["loss"] for r in train_log]
-        ax1.plot(steps, loss, lw=0.6, alpha=0.5, label="per step")
-        k = max(1, len(loss) // 30)
-        smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
-        ax1.plot(steps, smooth, lw=1.5, label=f"mean of {k}")
-        ax1.set_xlabel("optimizer step")
-        ax1.set_ylabel("training loss (nats/token)")
-        ax1.legend()
-    by_windows: dict[int, list[dict]] = {}
-    for r in eval_log:
-        by_windows.setdefault(r["windows"], []).append(r)
-    for windows, rows in sorted(by_windows.items()):
-        style = "o-" if len(rows) > 2 else "s"
-        ax2.plot([r["step"] for r in rows], [r["perplexity"] for r in rows], style, label=f"{windows} windows x {rows[0].get('seq_len', '')}")
-    if eval_log:
-        ax2.set_xlabel("optimizer step")
-        ax2.set_ylabel("held-out perplexity")
-        ax2.set_yscale("log")
-        ax2.legend()
-    if title:
-        fig.suptitle(title[:120], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: TrainerState) -> Path:
@@ -433,13 +433,18 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
 
     out = recipe.output_dir / "model"
     accelerator.wait_for_everyone()
+    fsdp = recipe.train.fsdp
+    full = _full_state_dict(model, fsdp) if fsdp else None  # a collective: every process takes part
     if accelerator.is_main_process:
         net = accelerator.unwrap_model(model)
-        save_dtype = recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32")
+        save_dtype = torch_dtype(recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32"))
         if recipe.train.gradient_checkpointing:
             (getattr(net, "activation_checkpointing_disable", None) or net.gradient_checkpointing_disable)()
-        net.to(torch_dtype(save_dtype))
-        for name, p in net.state_dict().items():
+        if fsdp:
+            full = {k: v.to(save_dtype) for k, v in full.items()}
+        else:
+            net.to(save_dtype)
+        for name, p in (full if fsdp else net.state_dict()).items():
             require_finite(p, f"fine-tuned tensor {name!r}")
         mla = dict(net.config.mla)
         mla["method"] = {**mla.get("method", {}), "finetune": {
@@ -449,7 +454,7 @@ def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: Trai
         net.config.mla = mla
         net.config.use_cache = True
         with atomic_output_dir(out, force=True) as tmp:  # never through a symlink; nothing half-written
-            net.save_pretrained(tmp, safe_serialization=True)
+            net.save_pretrained(tmp, safe_serialization=True, state_dict=full)
             for written in tmp.glob("*.safetensors"):
                 usual_file_mode(written)
             if not copy_tokenizer_files(model_dir, tmp):
@@ -486,181 +491,228 @@ def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: boo
 
 
 def _run(recipe: Recipe, stop_after: int | None, progress: bool) -> FinetuneResult:
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, set_seed
+    trainer = Trainer(recipe, progress)
+    trainer.evaluate_at_start()
+    interrupted = trainer.train(stop_after)
+    return trainer.finish(interrupted)
 
-    t_wall, t_cpu = time.perf_counter(), time.process_time()
-    tr = recipe.train
-    if tr.threads:
-        torch.set_num_threads(tr.threads)
-    if tr.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device is cuda, but no CUDA GPU is available")
-    # A process that dies leaves the others waiting in a collective: they give up after the timeout.
-    accelerator = Accelerator(
-        cpu=tr.device == "cpu", mixed_precision="bf16" if tr.precision == "bf16" else "no",
-        step_scheduler_with_optimizer=False,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=tr.timeout_seconds))],
-    )
-    set_seed(tr.seed)
-    out = recipe.output_dir
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
 
-    model_dir, converted = _converted_dir(recipe, accelerator, progress)
-    model, tokenizer = _load_model(model_dir, recipe)
-    trainable, total = _prepare_model(model, recipe)
-    data = _training_data(recipe, tokenizer)
-    eval_ids = _eval_ids(recipe, tokenizer)
-    world = accelerator.num_processes
-    total_steps = recipe.total_steps(world)
-    B, A = tr.micro_batch_size, tr.grad_accum
-    sampler = StepSampler(len(data), B * A * world, seed=tr.seed)
-    _log(accelerator, (
-        f"model {model_dir} | trainable {trainable:,} of {total:,} parameters ({tr.trainable}) | "
-        f"{len(data)} sequences x {recipe.data.seq_len} tokens from {data.documents} documents | "
-        f"{total_steps} steps x {B * A * world} sequences = {total_steps * B * A * world * recipe.data.seq_len:,} tokens | "
-        f"{_hardware(accelerator)}"
-    ))
+class Trainer:
+    """One fine-tuning run in torchtune's recipe shape: setup (``__init__``: accelerator, model,
+    data, optimizer, resume), ``step`` (one optimizer step), ``evaluate``, ``finish`` (the final
+    evaluation, the model, the logs and the result)."""
 
-    opt = recipe.optimizer
-    optimizer = torch.optim.AdamW(
-        _param_groups(model, opt.weight_decay), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-        foreach=accelerator.device.type == "cuda",
-    )
-    sch = recipe.schedule
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(sch.kind, s, total_steps, sch.warmup_steps, sch.min_lr_ratio)
-    )
-    model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainerState()
+    def __init__(self, recipe: Recipe, progress: bool):
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs, set_seed
 
-    resume = _resume_dir(recipe)
-    if resume is not None:
-        state.load_state_dict(load_training_state(
-            resume, accelerator.unwrap_model(model), optimizer, scheduler, rank=accelerator.process_index
-        ))
-        _check_resume_layout(resume, state, world, B, A)
-        _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
-    state.processes, state.sequences_per_step = world, B * A * world
-
-    def evaluate(windows: int | None, tag: str) -> dict | None:
-        if eval_ids is None:
-            return None
-        row = None
+        self.t_wall, self.t_cpu = time.perf_counter(), time.process_time()
+        self.recipe = recipe
+        tr = recipe.train
+        if tr.threads:
+            torch.set_num_threads(tr.threads)
+        if tr.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("train.device is cuda, but no CUDA GPU is available")
+        # A process that dies leaves the others waiting in a collective: they give up after the timeout.
+        accelerator = self.accelerator = Accelerator(
+            cpu=tr.device == "cpu", mixed_precision="bf16" if tr.precision == "bf16" else "no",
+            step_scheduler_with_optimizer=False,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=tr.timeout_seconds))],
+        )
+        set_seed(tr.seed)
         if accelerator.is_main_process:
-            net = accelerator.unwrap_model(model)
-            for r in _evaluate(net, eval_ids, recipe, accelerator, windows):
+            recipe.output_dir.mkdir(parents=True, exist_ok=True)
+
+        self.model_dir, self.converted = _converted_dir(recipe, accelerator, progress)
+        model, tokenizer = _load_model(self.model_dir, recipe)
+        self.trainable, self.total = _prepare_model(model, recipe)
+        self.data = _training_data(recipe, tokenizer)
+        self.eval_ids = _eval_ids(recipe, tokenizer)
+        self.world = world = accelerator.num_processes
+        self.total_steps = recipe.total_steps(world)
+        B, A = tr.micro_batch_size, tr.grad_accum
+        self.sampler = StepSampler(len(self.data), B * A * world, seed=tr.seed)
+        self.held = _shard_model(model, accelerator) if tr.fsdp else None
+        _log(accelerator, (
+            f"model {self.model_dir} | trainable {self.trainable:,} of {self.total:,} parameters ({tr.trainable}) | "
+            f"{len(self.data)} sequences x {recipe.data.seq_len} tokens from {self.data.documents} documents | "
+            f"{self.total_steps} steps x {B * A * world} sequences = {self.total_steps * B * A * world * recipe.data.seq_len:,} tokens | "
+            f"{_hardware(accelerator)}"
+        ))
+        if self.held is not None:
+            _log(accelerator, f"fsdp: trainable values held by each of the {world} processes: {self.held} (of {self.trainable:,})")
+
+        opt = recipe.optimizer
+        optimizer = torch.optim.AdamW(
+            _param_groups(model, opt.weight_decay), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+            foreach=accelerator.device.type == "cuda",
+        )
+        sch = recipe.schedule
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(sch.kind, s, self.total_steps, sch.warmup_steps, sch.min_lr_ratio)
+        )
+        if tr.fsdp:  # already sharded; accelerate must not wrap it in DDP as well
+            optimizer = accelerator.prepare(optimizer)
+        else:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = model, optimizer
+        self.state = state = TrainerState()
+
+        self.resume = resume = _resume_dir(recipe)
+        if resume is not None and tr.fsdp:
+            raise ValueError(f"train.fsdp: cannot resume from {resume} (sharded runs write no checkpoints yet); "
+                             "use another output_dir or train without fsdp")
+        if resume is not None:
+            state.load_state_dict(load_training_state(
+                resume, accelerator.unwrap_model(model), optimizer, self.scheduler, rank=accelerator.process_index
+            ))
+            _check_resume_layout(resume, state, world, B, A)
+            _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
+        state.processes, state.sequences_per_step = world, B * A * world
+        self.train_wall = 0.0  # this run's training steps: seconds and tokens
+        self.train_tokens = 0
+
+    def evaluate(self, windows: int | None, tag: str) -> dict | None:
+        """Held-out perplexity on the first ``windows`` windows, logged by the main process."""
+        if self.eval_ids is None:
+            return None
+        accelerator, state, recipe = self.accelerator, self.state, self.recipe
+        row = None
+        # FSDP: every process runs the forward (each layer is gathered from all); only the main one logs.
+        if accelerator.is_main_process or recipe.train.fsdp:
+            net = accelerator.unwrap_model(self.model)
+            for r in _evaluate(net, self.eval_ids, recipe, accelerator, windows):
                 row = {"step": state.step, "tokens": state.tokens, "tag": tag, "seq_len": recipe.eval.seq_len, **r}
-                state.eval_log.append(row)
+                if accelerator.is_main_process:
+                    state.eval_log.append(row)
+        if accelerator.is_main_process:
             _log(accelerator, f"step {state.step}: held-out perplexity {row['perplexity']:.3f} ({row['windows']} windows, {tag})")
         accelerator.wait_for_everyone()
         return row
 
-    if state.step == 0 and recipe.eval.at_start and not state.eval_log:
-        evaluate(recipe.eval.final_windows, "start")
+    def evaluate_at_start(self) -> None:
+        if self.state.step == 0 and self.recipe.eval.at_start and not self.state.eval_log:
+            self.evaluate(self.recipe.eval.final_windows, "start")
 
-    device = accelerator.device
-    train_wall = 0.0
-    train_tokens = 0
-    model.train()
-    interrupted = False
-    try:
-        while state.step < total_steps and (stop_after is None or state.step < stop_after):
-            t0 = time.perf_counter()
-            idx = sampler.indices(state.step).view(A, world, B)[:, accelerator.process_index]  # [A, B]
-            batches = [data.batch(i) for i in idx]
-            # The step's loss is the mean NLL over the scored tokens of every process. DDP averages
-            # gradients over the processes, so each one scales its sum by world / (all scored
-            # tokens): the gradient is then the one a single process would get for the whole batch.
-            scored = _sum_over_processes(accelerator, sum(int((b["labels"] != IGNORE).sum()) for b in batches))
-            loss_sum = 0.0
-            for a, batch in enumerate(batches):
-                batch = {k: v.to(device) for k, v in batch.items()}
-                sync = nullcontext() if a == A - 1 else accelerator.no_sync(model)
-                with sync, accelerator.autocast():
-                    logits = model(
-                        input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                        attention_mask=batch["attention_mask"], use_cache=False,
-                    ).logits  # [B, T, V]
-                    nll = F.cross_entropy(
-                        logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
-                    )
-                    accelerator.backward(nll * world / max(1, scored))
-                loss_sum += nll.item()
-            loss_sum = _sum_over_processes(accelerator, loss_sum)
-            grad_norm = None
-            if opt.grad_clip is not None:
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_tokens = B * A * world * recipe.data.seq_len
-            state.step += 1
-            state.tokens += step_tokens
-            dt = time.perf_counter() - t0
-            train_wall += dt
-            train_tokens += step_tokens
-            loss = require_finite_number(loss_sum / max(1, scored), f"the training loss at step {state.step}")
-            state.train_log.append({
-                "step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "seconds": dt, "epoch": round(sampler.epoch(state.step), 4),
-            })
-            if state.step % tr.log_every == 0 or state.step == 1:
-                _log(accelerator, (
-                    f"step {state.step}/{total_steps} loss {loss:.4f} lr {lr:.3g} "
-                    f"grad-norm {grad_norm if grad_norm is None else round(grad_norm, 3)} "
-                    f"{train_tokens / train_wall:,.0f} tok/s"
-                ))
-            if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < total_steps:
-                evaluate(recipe.eval.windows, "train")
-            if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0:
-                _save_checkpoint(accelerator, recipe, state, model, optimizer, scheduler)
-    except KeyboardInterrupt:
-        interrupted = True
-        _log(accelerator, f"interrupted: saving a checkpoint at step {state.step}")
+    def train(self, stop_after: int | None) -> bool:
+        """Optimizer steps until the end (or ``stop_after``), with the evaluations and checkpoints
+        the recipe asks for; True when a KeyboardInterrupt stopped it."""
+        recipe, state = self.recipe, self.state
+        self.model.train()
+        try:
+            while state.step < self.total_steps and (stop_after is None or state.step < stop_after):
+                self.step()
+                if recipe.eval.every and state.step % recipe.eval.every == 0 and state.step < self.total_steps:
+                    self.evaluate(recipe.eval.windows, "train")
+                if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0:
+                    self._save_checkpoint()
+        except KeyboardInterrupt:
+            _log(self.accelerator, f"interrupted: saving a checkpoint at step {state.step}")
+            return True
+        return False
 
-    resumed = str(resume) if resume is not None else None
-    done = state.step >= total_steps and not interrupted
-    if not done:
-        if recipe.checkpoint.every == 0 or state.step % recipe.checkpoint.every:
-            _save_checkpoint(accelerator, recipe, state, model, optimizer, scheduler)
+    def step(self) -> None:
+        """One optimizer step: grad_accum forward/backward passes of this process's slice."""
+        accelerator, recipe, state, model = self.accelerator, self.recipe, self.state, self.model
+        tr, opt = recipe.train, recipe.optimizer
+        B, A, world = tr.micro_batch_size, tr.grad_accum, self.world
+        device = accelerator.device
+        t0 = time.perf_counter()
+        idx = self.sampler.indices(state.step).view(A, world, B)[:, accelerator.process_index]  # [A, B]
+        batches = [self.data.batch(i) for i in idx]
+        # The step's loss is the mean NLL over the scored tokens of every process. DDP averages
+        # gradients over the processes, so each one scales its sum by world / (all scored
+        # tokens): the gradient is then the one a single process would get for the whole batch.
+        scored = _sum_over_processes(accelerator, sum(int((b["labels"] != IGNORE).sum()) for b in batches))
+        loss_sum = 0.0
+        for a, batch in enumerate(batches):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            sync = nullcontext() if a == A - 1 or tr.fsdp else accelerator.no_sync(model)
+            with sync, accelerator.autocast():
+                logits = model(
+                    input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                    attention_mask=batch["attention_mask"], use_cache=False,
+                ).logits  # [B, T, V]
+                nll = F.cross_entropy(
+                    logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
+                )
+                accelerator.backward(nll * world / max(1, scored))
+            loss_sum += nll.item()
+        loss_sum = _sum_over_processes(accelerator, loss_sum)
+        grad_norm = None
+        if opt.grad_clip is not None:
+            norm = accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        step_tokens = B * A * world * recipe.data.seq_len
+        state.step += 1
+        state.tokens += step_tokens
+        dt = time.perf_counter() - t0
+        self.train_wall += dt
+        self.train_tokens += step_tokens
+        loss = require_finite_number(loss_sum / max(1, scored), f"the training loss at step {state.step}")
+        state.train_log.append({
+            "step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "seconds": dt, "epoch": round(self.sampler.epoch(state.step), 4),
+        })
+        if state.step % tr.log_every == 0 or state.step == 1:
+            _log(accelerator, (
+                f"step {state.step}/{self.total_steps} loss {loss:.4f} lr {lr:.3g} "
+                f"grad-norm {grad_norm if grad_norm is None else round(grad_norm, 3)} "
+                f"{self.train_tokens / self.train_wall:,.0f} tok/s"
+            ))
+
+    def _save_checkpoint(self) -> Path:
+        return _save_checkpoint(self.accelerator, self.recipe, self.state, self.model, self.optimizer, self.scheduler)
+
+    def finish(self, interrupted: bool) -> FinetuneResult:
+        """A stopped run: a checkpoint and the logs (re-raising an interruption). A finished one:
+        the final evaluation and the model. Both: the result, in metrics.json too."""
+        accelerator, recipe, state = self.accelerator, self.recipe, self.state
+        done = state.step >= self.total_steps and not interrupted
+        if not done:
+            if recipe.checkpoint.every == 0 or state.step % recipe.checkpoint.every:
+                self._save_checkpoint()
+            if accelerator.is_main_process:
+                _write_logs(recipe, state)
+            if interrupted:
+                raise KeyboardInterrupt
+            final = None
+        else:
+            final = self.evaluate(recipe.eval.final_windows, "final")
+        start_row = next((r for r in state.eval_log if r["tag"] == "start" and (final is None or r["windows"] == final["windows"])), None)
+        last_loss = state.train_log[-1]["loss"] if state.train_log else None
+        result = FinetuneResult(
+            output_dir=str(recipe.output_dir),
+            model_dir=None,
+            completed=done,
+            steps=state.step,
+            total_steps=self.total_steps,
+            tokens=state.tokens,
+            trained_parameters=self.trainable,
+            total_parameters=self.total,
+            start_perplexity=start_row["perplexity"] if start_row else None,
+            final_perplexity=final["perplexity"] if final else None,
+            eval_tokens=final["tokens"] if final else None,
+            final_loss=last_loss,
+            wall_seconds=0.0,
+            cpu_seconds=0.0,
+            tokens_per_second=self.train_tokens / self.train_wall if self.train_wall else None,
+            hardware=_hardware(accelerator),
+            resumed_from=str(self.resume) if self.resume is not None else None,
+            converted_dir=self.converted,
+            train_sequences=len(self.data),
+            epochs=round(self.sampler.epoch(state.step), 4),
+            trainable_per_process=self.held,
+        )
+        if done:
+            result.model_dir = str(_save_model(accelerator, self.model, recipe, self.model_dir, state))
+        result.wall_seconds = time.perf_counter() - self.t_wall
+        result.cpu_seconds = time.process_time() - self.t_cpu
         if accelerator.is_main_process:
-            _write_logs(recipe, state)
-        if interrupted:
-            raise KeyboardInterrupt
-        final = None
-    else:
-        final = evaluate(recipe.eval.final_windows, "final")
-    start_row = next((r for r in state.eval_log if r["tag"] == "start" and (final is None or r["windows"] == final["windows"])), None)
-    last_loss = state.train_log[-1]["loss"] if state.train_log else None
-    result = FinetuneResult(
-        output_dir=str(out),
-        model_dir=None,
-        completed=done,
-        steps=state.step,
-        total_steps=total_steps,
-        tokens=state.tokens,
-        trained_parameters=trainable,
-        total_parameters=total,
-        start_perplexity=start_row["perplexity"] if start_row else None,
-        final_perplexity=final["perplexity"] if final else None,
-        eval_tokens=final["tokens"] if final else None,
-        final_loss=last_loss,
-        wall_seconds=0.0,
-        cpu_seconds=0.0,
-        tokens_per_second=train_tokens / train_wall if train_wall else None,
-        hardware=_hardware(accelerator),
-        resumed_from=resumed,
-        converted_dir=converted,
-        train_sequences=len(data),
-        epochs=round(sampler.epoch(state.step), 4),
-    )
-    if done:
-        result.model_dir = str(_save_model(accelerator, model, recipe, model_dir, state))
-    result.wall_seconds = time.perf_counter() - t_wall
-    result.cpu_seconds = time.process_time() - t_cpu
-    if accelerator.is_main_process:
-        _write_logs(recipe, state, result.to_dict())
-    accelerator.end_training()
-    return result
+            _write_logs(recipe, state, result.to_dict())
+        accelerator.end_training()
+        return result
