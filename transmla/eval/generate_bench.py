@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..dtypes import pick_device, torch_dtype
-from ..mla.cache import cache_bytes
+from .kv import cache_bytes
 from .kv import kv_summary
 from .report import environment
 

@@ -1,4 +1,5 @@
-"""KV-cache accounting from a config: elements and bytes per token, per layer and per model."""
+"""KV-cache accounting: elements and bytes per token from a config (per layer and per model), and what a
+transformers Cache really holds, to set beside the formula."""
 
 from __future__ import annotations
 
@@ -77,3 +78,22 @@ def kv_summary(config, dtype: torch.dtype | None = None, context: int | None = N
         info["context"] = context
         info["kv_bytes_at_context"] = info["kv_bytes_per_token"] * context
     return info
+
+
+def _cache_tensors(cache):
+    """Every key and value tensor a transformers Cache holds, all layers."""
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                yield t
+
+
+def cache_elements(cache) -> int:
+    """Elements held by a transformers Cache (all layers, keys and values)."""
+    return sum(t.numel() for t in _cache_tensors(cache))
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a transformers Cache (all layers, keys and values)."""
+    return sum(t.numel() * t.element_size() for t in _cache_tensors(cache))

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from ..mla.cache import cache_bytes, cache_elements
-from .kv import kv_summary
+from .kv import cache_bytes, cache_elements, kv_summary
 
 __all__ = ["MeasuredCache", "measure_cache"]
 
