@@ -21,7 +21,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the report module imports no torch
+    from .perplexity import PerplexityResult
 
 __all__ = [
     "MIB",
@@ -71,14 +74,14 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def protocol_info(result: Mapping[str, Any], data: str, text_field: str = "text") -> dict[str, Any]:
-    """The evaluation protocol of a perplexity result (``PerplexityResult.to_dict()``), named and described."""
-    name = result["protocol"]
-    L, n, tokens = result["seq_len"], result["windows"], result["tokens"]
+def protocol_info(result: PerplexityResult, data: str, text_field: str = "text") -> dict[str, Any]:
+    """The evaluation protocol of a perplexity result, named and described."""
+    name = result.protocol
+    L, n, tokens = result.seq_len, result.windows, result.tokens
     if name == "sliding":
         text = (
             f"token-level perplexity exp(mean NLL), sliding window (Hugging Face guide): a {L}-token context "
-            f"moved by stride {result['stride']} in {n} steps, each token scored once ({tokens:,} scored tokens), "
+            f"moved by stride {result.stride} in {n} steps, each token scored once ({tokens:,} scored tokens), "
             f"no special tokens added"
         )
     else:
@@ -89,7 +92,7 @@ def protocol_info(result: Mapping[str, Any], data: str, text_field: str = "text"
     return {
         "name": name,
         "seq_len": L,
-        "stride": result.get("stride"),
+        "stride": result.stride,
         "windows": n,
         "tokens": tokens,
         "data": data,
