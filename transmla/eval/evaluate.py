@@ -61,9 +61,9 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
         measured = None
         if settings.measure_tokens > 0:
             prompt = own[: max(1, min(settings.prompt_tokens, own.numel()))]  # [P]
-            measured = measure_cache(net, prompt, settings.measure_tokens).to_dict()
+            measured = measure_cache(net, prompt, settings.measure_tokens)
         kv = kv_summary(net.config, dtype, settings.context)
-        entry = rep.model_entry(str(spec), role, kv, result.to_dict(), measured, seconds)
+        entry = rep.model_entry(str(spec), role, kv, result, measured, seconds)
         entry["eval_cpu_seconds"] = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
         if kv.get("method") is None and kv["attention"] == "MLA":
             entry["method"] = "mla"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the report module imports no torch
+    from .measured_cache import MeasuredCache
     from .perplexity import PerplexityResult
 
 __all__ = [
@@ -111,11 +112,11 @@ def model_entry(
     spec: str,
     role: str,
     kv: Mapping[str, Any],
-    ppl: Mapping[str, Any],
-    measured: Mapping[str, Any] | None = None,
+    ppl: PerplexityResult,
+    measured: MeasuredCache | None = None,
     eval_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """One model's line of a report: perplexity (``PerplexityResult.to_dict()``), KV accounting
+    """One model's line of a report (as written to JSON): perplexity, KV accounting
     (``kv_summary(config, dtype, context)``) and, if measured, the cache after generation."""
     entry: dict[str, Any] = {
         "model": spec,
@@ -123,10 +124,10 @@ def model_entry(
         "attention": kv["attention"],
         "method": kv.get("method"),
         "layers": kv["layers"],
-        "perplexity": ppl["perplexity"],
-        "nll": ppl["nll"],
-        "tokens": ppl["tokens"],
-        "windows": ppl["windows"],
+        "perplexity": ppl.perplexity,
+        "nll": ppl.nll,
+        "tokens": ppl.tokens,
+        "windows": ppl.windows,
         "cache_dtype": kv["cache_dtype"],
         "kv_elements_per_token_per_layer": kv["kv_elements_per_token_per_layer"],
         "kv_bytes_per_token_per_layer": kv["kv_bytes_per_token_per_layer"],
@@ -137,7 +138,7 @@ def model_entry(
     for key in ("kv_lora_rank", "qk_rope_head_dim", "kv_heads", "head_dim"):
         if kv.get(key) is not None:
             entry[key] = kv[key]
-    entry["measured_cache"] = dict(measured) if measured is not None else None
+    entry["measured_cache"] = measured.to_dict() if measured is not None else None
     entry["eval_seconds"] = eval_seconds
     return entry
 
