@@ -65,7 +65,7 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
         kv = kv_summary(net.config, dtype, settings.context)
         entry = rep.model_entry(str(spec), role, kv, result, measured, seconds)
         entry["eval_cpu_seconds"] = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
-        if kv.get("method") is None and kv["attention"] == "MLA":
+        if kv.method is None and kv.attention == "MLA":
             entry["method"] = "mla"
         return Evaluated(entry, own, result)
     finally:

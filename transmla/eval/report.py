@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the report module imports no torch
+    from .kv import KVSummary
     from .measured_cache import MeasuredCache
     from .perplexity import PerplexityResult
 
@@ -111,13 +112,14 @@ def describe_data(data: str) -> str:
 def model_entry(
     spec: str,
     role: str,
-    kv: Mapping[str, Any],
+    kv: KVSummary,
     ppl: PerplexityResult,
     measured: MeasuredCache | None = None,
     eval_seconds: float | None = None,
 ) -> dict[str, Any]:
     """One model's line of a report (as written to JSON): perplexity, KV accounting
     (``kv_summary(config, dtype, context)``) and, if measured, the cache after generation."""
+    kv = kv.to_dict()
     entry: dict[str, Any] = {
         "model": spec,
         "role": role,
