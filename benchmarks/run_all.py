@@ -12,7 +12,7 @@ holds only 29 windows: 14,819 tokens), fp32, training-free.
 Where the numbers come from (each row of the summary names its source):
 1. cli: computed here (`--compute`) through the path a user takes: `transmla convert smollm2-135m
    OUT --method M --kv-budget B` with default settings (written to disk, loaded back), then the
-   evaluation of `transmla eval` / `transmla sweep` (transmla.eval.sweep.evaluate_model). Cached in
+   evaluation of `transmla eval` / `transmla sweep` (transmla.eval.evaluate.evaluate_model). Cached in
    benchmarks/results/run_all_cli.json, so an interrupted run resumes.
 2. sweep: benchmarks/results/sweep_<method>/sweep.json, written by `transmla sweep` (wiki only).
 3. bench: read, not recomputed, from benchmarks/results/transmla_bench.json (benchmarks.transmla_bench)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, DynamicCache
 
-from transmla.mla.cache import cache_elements
+from transmla.eval.kv import cache_elements
 from transmla.mla.config import MLAConfig
 from transmla.mla.kernels.fused_rows import attend_rows
 from transmla.mla.kernels.reference import mla_decode_reference

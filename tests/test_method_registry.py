@@ -4,6 +4,7 @@ its settings become CLI flags, recipe keys and sweep settings without touching a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +21,7 @@ from transmla.convert.method import ConversionMethod, StatsNeeds
 from transmla.convert.options import ConvertOptions
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
 from transmla.convert.transmla.method import TransMLAOptions, convert_layer, published_plan, resolve_shape
+from transmla.eval.perplexity import perplexity
 from transmla.schema import option
 from transmla.sweep import options_for
 
@@ -69,6 +71,11 @@ def test_a_new_method_is_one_class_and_one_registry_line(tiny_factory, tmp_path,
     ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    # and it evaluates like any converted model: the same perplexity as the reference math
+    stream = torch.randint(0, 97, (4 * 16,), generator=torch.Generator().manual_seed(3))  # [64]
+    scored = perplexity(model, stream, seq_len=16, progress=False)
+    assert scored.windows == 4 and math.isfinite(scored.perplexity)
+    assert scored.perplexity == pytest.approx(perplexity(reference, stream, seq_len=16, progress=False).perplexity, rel=1e-5)
 
     # its settings are flags, sweep settings and validated names, with nothing else edited
     assert [f.decls for f in schema_flags(Published.Options)] == [("--kv-budget",), ("--fold",)]

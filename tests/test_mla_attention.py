@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from transmla.mla.attention import MLAAttention
-from transmla.mla.cache import cache_elements
+from transmla.eval.kv import cache_elements
 from transmla.mla.config import MLAConfig
 from transmla.mla.model import build_mla_model, mla_config_for, set_decode_mode
 from transmla.convert.assemble import assemble_model

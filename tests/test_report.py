@@ -194,7 +194,7 @@ def test_measured_cache_equals_formula(tiny, tmp_path, dtype):
             assert m.measured_elements == expect[name] * 2 * 15
             assert m.measured_bytes == m.formula_bytes == expect[name] * nbytes * 2 * 15
             assert m.matches and m.to_dict()["matches_formula"]
-            assert m.measured_bytes_per_token_per_layer == kv_summary(net.config, dtype)["kv_bytes_per_token_per_layer"]
+            assert m.measured_bytes_per_token_per_layer == kv_summary(net.config, dtype).kv_bytes_per_token_per_layer
             assert m.attention == ("GQA" if name == "src" else "MLA")
         if name != "src":
             assert net.config.mla["decode"] == "auto"  # restored

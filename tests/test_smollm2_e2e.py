@@ -14,7 +14,7 @@ from transmla.convert.api import convert
 from transmla.convert.options import ConvertOptions
 from transmla.data.texts import load_text
 from transmla.eval.perplexity import perplexity, tokenize_text
-from transmla.mla.cache import cache_elements
+from transmla.eval.kv import cache_elements
 from transmla.mla.model import set_decode_mode
 
 pytestmark = pytest.mark.slow

@@ -44,7 +44,7 @@ def evaluate(
     flat = {
         "model": model,
         "data": data,
-        **evaluated[-1].ppl,
+        **evaluated[-1].ppl.to_dict(),
         "kv_elements_per_token_per_layer": entry["kv_elements_per_token_per_layer"],
         "kv_bytes_per_token": entry["kv_bytes_per_token"],
         "attention": entry["attention"],

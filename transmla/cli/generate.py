@@ -8,7 +8,7 @@ import torch
 import typer
 
 from ..checkpoint.resolve import load_model
-from ..mla.cache import cache_bytes
+from ..eval.kv import cache_bytes
 from ..mla.model import set_decode_mode
 from ..progress import stderr_console
 from .common import JsonFlag, emit, pick_device, pick_dtype

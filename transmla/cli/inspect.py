@@ -20,7 +20,7 @@ def inspect(
 ) -> None:
     """Show layers, heads, attention kind and KV-cache elements/bytes per token."""
     config = load_config(model)
-    info = kv_summary(config, pick_dtype(dtype) if dtype else None, context)
+    info = kv_summary(config, pick_dtype(dtype) if dtype else None, context).to_dict()
     if config.model_type == "deepseek_v3":  # an export: which engines load it, and why not
         for engine, why in engine_report(config.to_dict()).items():
             info[f"loads in {engine}"] = "yes" if why is None else f"no: {why}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 
 from ..messages import warn
 from . import report as rep
+from .perplexity import PerplexityResult
 from .settings import EvalSettings
 
 __all__ = ["EvalSettings", "Evaluated", "compare_report", "evaluate_model"]
@@ -27,7 +28,7 @@ __all__ = ["EvalSettings", "Evaluated", "compare_report", "evaluate_model"]
 class Evaluated:
     entry: dict[str, Any]  # report.model_entry
     ids: torch.Tensor  # [N] the evaluation tokens
-    ppl: dict[str, Any] = field(default_factory=dict)  # PerplexityResult.to_dict()
+    ppl: PerplexityResult  # a dict only when written (to_dict)
 
 
 def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model",
@@ -60,13 +61,13 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
         measured = None
         if settings.measure_tokens > 0:
             prompt = own[: max(1, min(settings.prompt_tokens, own.numel()))]  # [P]
-            measured = measure_cache(net, prompt, settings.measure_tokens).to_dict()
+            measured = measure_cache(net, prompt, settings.measure_tokens)
         kv = kv_summary(net.config, dtype, settings.context)
-        entry = rep.model_entry(str(spec), role, kv, result.to_dict(), measured, seconds)
+        entry = rep.model_entry(str(spec), role, kv, result, measured, seconds)
         entry["eval_cpu_seconds"] = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
-        if kv.get("method") is None and kv["attention"] == "MLA":
+        if kv.method is None and kv.attention == "MLA":
             entry["method"] = "mla"
-        return Evaluated(entry, own, result.to_dict())
+        return Evaluated(entry, own, result)
     finally:
         del net
         gc.collect()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..dtypes import pick_device, torch_dtype
-from ..mla.cache import cache_bytes
+from .kv import cache_bytes
 from .kv import kv_summary
 from .report import environment
 
@@ -230,14 +230,14 @@ def _unique_parameter_bytes(model) -> int:
 def _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak) -> dict[str, Any]:
     """The result row of one benchmarked model and cache: min and median over the repetitions."""
     kv = kv_summary(model.config, torch_dtype(dtype))
-    per_token_layer = kv["kv_bytes_per_token_per_layer"]
+    per_token_layer = kv.kv_bytes_per_token_per_layer
     weights = _unique_parameter_bytes(model)
-    cache_at_context = per_token_layer * kv["layers"] * context * batch
+    cache_at_context = per_token_layer * kv.layers * context * batch
     decode_min, decode_median = min(decodes), statistics.median(decodes)
     timed_prefills = [t for t in prefills if t is not None]
     return {
         "model": spec,
-        "attention": kv["attention"],
+        "attention": kv.attention,
         "batch": batch,
         "context": context,
         "new_tokens": new_tokens,
@@ -254,12 +254,12 @@ def _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills
         "decode_tokens_per_second_median": batch * new_tokens / decode_median,
         "ms_per_step": 1000 * decode_min / new_tokens,
         "ms_per_step_median": 1000 * decode_median / new_tokens,
-        "kv_elements_per_token_per_layer": kv["kv_elements_per_token_per_layer"],
+        "kv_elements_per_token_per_layer": kv.kv_elements_per_token_per_layer,
         "kv_bytes_per_token_per_layer": per_token_layer,
-        "layers": kv["layers"],
+        "layers": kv.layers,
         "cached_tokens": int(cache.get_seq_length()),
         "cache_bytes": cache_bytes(cache),
-        "formula_cache_bytes": per_token_layer * kv["layers"] * (context + new_tokens) * batch,
+        "formula_cache_bytes": per_token_layer * kv.layers * (context + new_tokens) * batch,
         "model_bytes": weights,
         "bytes_per_step": weights + cache_at_context,  # weights + cache at context T, read once per step
         "peak_memory_bytes": peak,

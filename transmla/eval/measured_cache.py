@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from ..mla.cache import cache_bytes, cache_elements
-from .kv import kv_summary
+from .kv import cache_bytes, cache_elements, kv_summary
 
 __all__ = ["MeasuredCache", "measure_cache"]
 
@@ -96,21 +95,21 @@ def measure_cache(
             set_decode_mode(model, old_mode)
         model.train(was_training)
     kv = kv_summary(model.config, dtype)
-    per_token_layer = kv["kv_elements_per_token_per_layer"]
-    layers = kv["layers"]
+    per_token_layer = kv.kv_elements_per_token_per_layer
+    layers = kv.layers
     measured_bytes = cache_bytes(cache)
     return MeasuredCache(
-        attention=kv["attention"],
+        attention=kv.attention,
         prompt_tokens=int(ids.shape[1]),
         new_tokens=new_tokens,
         cached_tokens=cached,
         layers=layers,
-        cache_dtype=kv["cache_dtype"],
+        cache_dtype=kv.cache_dtype,
         measured_elements=cache_elements(cache),
         measured_bytes=measured_bytes,
         formula_elements=per_token_layer * layers * cached,
-        formula_bytes=kv["kv_bytes_per_token_per_layer"] * layers * cached,
+        formula_bytes=kv.kv_bytes_per_token_per_layer * layers * cached,
         measured_bytes_per_token_per_layer=measured_bytes / (layers * cached) if cached else 0.0,
-        formula_bytes_per_token_per_layer=kv["kv_bytes_per_token_per_layer"],
+        formula_bytes_per_token_per_layer=kv.kv_bytes_per_token_per_layer,
         decode=(decode or old_mode) if mla else None,
     )

@@ -23,7 +23,12 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the report module imports no torch
+    from .kv import KVSummary
+    from .measured_cache import MeasuredCache
+    from .perplexity import PerplexityResult
 
 __all__ = [
     "MIB",
@@ -73,14 +78,14 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def protocol_info(result: Mapping[str, Any], data: str, text_field: str = "text") -> dict[str, Any]:
-    """The evaluation protocol of a perplexity result (``PerplexityResult.to_dict()``), named and described."""
-    name = result["protocol"]
-    L, n, tokens = result["seq_len"], result["windows"], result["tokens"]
+def protocol_info(result: PerplexityResult, data: str, text_field: str = "text") -> dict[str, Any]:
+    """The evaluation protocol of a perplexity result, named and described."""
+    name = result.protocol
+    L, n, tokens = result.seq_len, result.windows, result.tokens
     if name == "sliding":
         text = (
             f"token-level perplexity exp(mean NLL), sliding window (Hugging Face guide): a {L}-token context "
-            f"moved by stride {result['stride']} in {n} steps, each token scored once ({tokens:,} scored tokens), "
+            f"moved by stride {result.stride} in {n} steps, each token scored once ({tokens:,} scored tokens), "
             f"no special tokens added"
         )
     else:
@@ -91,7 +96,7 @@ def protocol_info(result: Mapping[str, Any], data: str, text_field: str = "text"
     return {
         "name": name,
         "seq_len": L,
-        "stride": result.get("stride"),
+        "stride": result.stride,
         "windows": n,
         "tokens": tokens,
         "data": data,
@@ -109,23 +114,24 @@ def describe_data(data: str) -> str:
 def model_entry(
     spec: str,
     role: str,
-    kv: Mapping[str, Any],
-    ppl: Mapping[str, Any],
-    measured: Mapping[str, Any] | None = None,
+    kv: KVSummary,
+    ppl: PerplexityResult,
+    measured: MeasuredCache | None = None,
     eval_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """One model's line of a report: perplexity (``PerplexityResult.to_dict()``), KV accounting
+    """One model's line of a report (as written to JSON): perplexity, KV accounting
     (``kv_summary(config, dtype, context)``) and, if measured, the cache after generation."""
+    kv = kv.to_dict()
     entry: dict[str, Any] = {
         "model": spec,
         "role": role,
         "attention": kv["attention"],
         "method": kv.get("method"),
         "layers": kv["layers"],
-        "perplexity": ppl["perplexity"],
-        "nll": ppl["nll"],
-        "tokens": ppl["tokens"],
-        "windows": ppl["windows"],
+        "perplexity": ppl.perplexity,
+        "nll": ppl.nll,
+        "tokens": ppl.tokens,
+        "windows": ppl.windows,
         "cache_dtype": kv["cache_dtype"],
         "kv_elements_per_token_per_layer": kv["kv_elements_per_token_per_layer"],
         "kv_bytes_per_token_per_layer": kv["kv_bytes_per_token_per_layer"],
@@ -136,7 +142,7 @@ def model_entry(
     for key in ("kv_lora_rank", "qk_rope_head_dim", "kv_heads", "head_dim"):
         if kv.get(key) is not None:
             entry[key] = kv[key]
-    entry["measured_cache"] = dict(measured) if measured is not None else None
+    entry["measured_cache"] = measured.to_dict() if measured is not None else None
     entry["eval_seconds"] = eval_seconds
     return entry
 
