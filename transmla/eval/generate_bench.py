@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..dtypes import pick_device, torch_dtype
+from ..mla.latent_cache import cache_kwargs
 from .kv import cache_bytes
 from .kv import kv_summary
 from .report import environment
@@ -153,7 +154,7 @@ def _run(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bo
     _sync(device)
     t0 = time.perf_counter()
     if prefill:
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, vocab]
+        logits = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits  # [B, 1, vocab]
     else:
         _fill_randomly(model, cache, B, T, seed)
         logits = model.lm_head(model.model.embed_tokens(ids[:, -1:]))  # [B, 1, vocab]: any valid next token
@@ -161,7 +162,7 @@ def _run(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bo
     t1 = time.perf_counter()
     for _ in range(new_tokens):
         nxt = logits.argmax(-1)  # [B, 1] greedy
-        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True).logits
     _sync(device)
     t2 = time.perf_counter()
     return cache, (t1 - t0) if prefill else None, t2 - t1

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..mla.latent_cache import cache_kwargs
 from .kv import cache_bytes, cache_elements, kv_summary
 
 __all__ = ["MeasuredCache", "measure_cache"]
@@ -83,10 +84,10 @@ def measure_cache(
     try:
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)  # prefill: T tokens cached
+            out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True)  # prefill: T tokens cached
             for _ in range(new_tokens):
                 nxt = out.logits[:, -1:].argmax(-1)  # [1, 1] greedy
-                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+                out = model(input_ids=nxt, **cache_kwargs(out.past_key_values), use_cache=True)
         cache = out.past_key_values
         cached = int(cache.get_seq_length())
         dtype = next(model.parameters()).dtype

@@ -101,11 +101,14 @@ class MLAAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings=None,  # the source model's full-head cos/sin: unused, MLA has its own
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        past_key_values=None,  # transformers <= 5.23 passes the cache by this name
         position_ids: torch.Tensor | None = None,
+        cache=None,  # ... and 5.24 on by this one
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         c = self.config
+        if cache is not None:
+            past_key_values = cache
         B, T, _ = hidden_states.shape
         if position_ids is None:
             past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0

@@ -14,10 +14,20 @@ and the mask sizes are the dynamic ones. ``MLAModel.generate`` builds one sized 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["LatentCache", "LatentLayer", "cached_rows"]
+__all__ = ["LatentCache", "LatentLayer", "cache_kwargs", "cached_rows"]
+
+
+def cache_kwargs(cache) -> dict:
+    """`cache` as a model forward's keyword: `cache` since transformers 5.24, `past_key_values` before."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    name = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 class LatentLayer(CacheLayerMixin):

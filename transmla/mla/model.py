@@ -30,9 +30,10 @@ def _swap_attention(model) -> None:
 def _swap_in_latent_cache(model, model_kwargs: dict, max_cache_length: int) -> None:
     """generate()'s default (dynamic) cache becomes a LatentCache preallocated for
     max_cache_length tokens; a cache the caller passed, or another cache_implementation, stays."""
-    cache = model_kwargs.get("past_key_values")
+    key = "cache" if "cache" in model_kwargs else "past_key_values"  # the name since transformers 5.24, and before
+    cache = model_kwargs.get(key)
     if type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not cache.offloading:
-        model_kwargs["past_key_values"] = LatentCache(model.config.num_hidden_layers, max_cache_length)
+        model_kwargs[key] = LatentCache(model.config.num_hidden_layers, max_cache_length)
 
 
 def _build_classes(family: Family) -> tuple[type, type]:
