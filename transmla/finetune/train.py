@@ -223,8 +223,21 @@ def _converted_dir(recipe: Recipe, accelerator, progress: bool) -> tuple[Path, s
             options = ConvertOptions.of(**spec.convert.model_dump(exclude_none=True), force=True)
             convert(spec.source, target, options, progress=progress)
             marker.write_text(json.dumps(settings, indent=1))
+    else:
+        # Not a collective: a conversion (and a download) may outlast train.timeout_seconds, which
+        # bounds every collective wait. If the first process dies meanwhile, the launcher ends this one.
+        while not (marker.is_file() and _read_json(marker) == settings):
+            time.sleep(1.0)
     accelerator.wait_for_everyone()
     return target, str(target)
+
+
+def _read_json(path: Path):
+    """The JSON in `path`, or None while it is being written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _load_model(model_dir: Path, recipe: Recipe):
@@ -478,7 +491,15 @@ def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: boo
     check_output_dir(recipe.output_dir, force)
     created = not recipe.output_dir.exists()
     try:
-        return _run(recipe, stop_after, progress)
+        try:
+            return _run(recipe, stop_after, progress)
+        except RuntimeError as e:  # gloo/NCCL word a peer that never answered in their own terms
+            if "timed out" not in str(e).lower():
+                raise
+            raise TimeoutError(
+                f"another process did not answer within train.timeout_seconds ({recipe.train.timeout_seconds} s): "
+                f"it hangs or died ({str(e).strip().splitlines()[0]})"
+            ) from e
     except BaseException:
         if created and recipe.output_dir.is_dir() and not any(recipe.output_dir.iterdir()):
             recipe.output_dir.rmdir()  # a run that failed before writing anything leaves nothing
