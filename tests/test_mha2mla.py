@@ -8,6 +8,7 @@ and, at equal rank, the activation-aware one is closer on the calibration data.
 from __future__ import annotations
 
 import itertools
+import json
 import warnings
 
 import pytest
@@ -320,7 +321,7 @@ def test_every_pair_full_rank_reproduces_the_source(tiny_factory, tmp_path, fami
             torch.testing.assert_close(mla(ids).logits, ref, **TOL)
 
 
-@pytest.mark.parametrize("family,bias", [("llama", True), ("qwen2", False), ("mistral", False), ("mixtral", False)])
+@pytest.mark.parametrize("family,bias", [("llama", True), ("qwen2", True), ("mistral", False), ("mixtral", False)])
 def test_calibrated_conversion_compresses_and_decodes(tiny_factory, tmp_path, family, bias):
     """2norm + activation-aware split SVD through the real calibration engine and checkpoint files."""
     model, path = tiny_factory(family, bias=bias)
@@ -337,6 +338,9 @@ def test_calibrated_conversion_compresses_and_decodes(tiny_factory, tmp_path, fa
     mla = _load(tmp_path / "mla")
     attn = mla.model.layers[0].self_attn
     assert attn.kv_a_proj.weight.shape == (4 + 4, 48) and attn.config.qk_rope_head_dim == 4
+    if bias:  # the source's q/k/v biases travel (none dropped): the query's as is, k/v's through the latent
+        recorded = json.loads((tmp_path / "mla" / "config.json").read_text())["mla"]
+        assert recorded["q_bias"] and (recorded["kv_a_bias"] or recorded["kv_b_bias"]), recorded
     # the selected pairs are the top 2-norm pairs of the calibration statistics
     stats = []
     for _ in calibrated_layers(path, config, calib, lambda i, s, st: stats.append(st) or replicate(s), pair_norms=True, progress=False):
