@@ -5,6 +5,7 @@ exactly is refused with one line and nothing on disk."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,11 @@ def _convert(src: Path, out: Path, **options) -> Path:
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# transformers 5 spells rope scaling `rope_parameters` (rope_scaling is the old name). With no mscale
+# fields, transformers' yarn and vLLM/SGLang's DeepSeek-YaRN scale cos/sin by the same 0.1 ln(4) + 1.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+# mscale_all_dim also scales DeepSeek's softmax (mscale^2): the export folds the ratio into the queries.
+YARN_MSCALE_ROPE = {**YARN_ROPE, "mscale": 1.0, "mscale_all_dim": 1.0}
 # case -> (family, source overrides, conversion options, export options)
 CASES = {
     "llama-transmla-50": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
@@ -48,6 +54,8 @@ CASES = {
     "llama-bias-transmla-50": ("llama", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-transmla-qlora": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True, q_lora_rank=16), {}),
     "llama-llama3-rope-transmla-25": ("llama", {"rope_parameters": LLAMA3_ROPE}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
+    "llama-yarn-rope-transmla-25-all-engines": ("llama", {"rope_parameters": YARN_ROPE}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines=("all",), pad_latent=True)),
+    "qwen2-yarn-mscale-transmla-50": ("qwen2", {"rope_parameters": YARN_MSCALE_ROPE}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-mqa-lossless": ("llama", {"num_key_value_heads": 1}, dict(method="lossless"), {}),
     "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform"), {}),
     "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines=("vllm", "sglang", "transformers"), pad_latent=True)),
@@ -128,6 +136,36 @@ def test_padded_latent_is_a_width_vllm_accepts(exported):
     r = results["llama-transmla-25-padded"]
     assert r.kv_elements_per_token_per_layer == 320 and r.record["padded_latent"]
     assert r.engines == {"transformers": None, "vllm": None, "sglang": None}
+
+
+def test_yarn_rope_is_carried_for_every_engine(exported):
+    """A yarn source keeps its rope type and parameters (DeepseekV3 recomputes the same YaRN grid and
+    cos/sin factor on qk_rope_head_dim; the logits match in test_stock_transformers_equals_native), and
+    vLLM/SGLang, which turn every scaled rope into DeepSeek-YaRN, compute the same factor here."""
+    natives, exports, results, _ = exported
+    for case, rope in (("llama-yarn-rope-transmla-25-all-engines", YARN_ROPE), ("qwen2-yarn-mscale-transmla-50", YARN_MSCALE_ROPE)):
+        config = json.loads((exports[case] / "config.json").read_text())
+        assert config["rope_parameters"] == rope and config["rope_scaling"] == rope, case
+    assert results["llama-yarn-rope-transmla-25-all-engines"].engines == {"transformers": None, "vllm": None, "sglang": None}
+
+
+@pytest.mark.parametrize("rope, reason", [
+    (LLAMA3_ROPE, "computes every scaled DeepSeek rope as DeepSeek-YaRN, not llama3"),
+    # transformers uses mscale(4, 1) unless both mscale fields are set; DeepSeek-YaRN divides by mscale(4, 1)
+    ({**YARN_ROPE, "mscale_all_dim": 1.0}, r"scales the yarn rope's cos/sin by 1 \(DeepSeek-YaRN's mscale ratio\), transformers by 1.13863"),
+    ({**YARN_ROPE, "attention_factor": 1.0}, "scales the yarn rope's cos/sin by 1.13863"),
+    ({**YARN_ROPE, "truncate": False}, "always truncates the YaRN correction range"),
+])
+def test_serving_engines_refuse_ropes_they_compute_differently(rope, reason):
+    from transmla.export.engines import engine_report
+
+    config = {"num_key_value_heads": 4, "num_attention_heads": 4, "n_routed_experts": 1, "kv_lora_rank": 256,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "rope_parameters": rope}
+    report = engine_report(config)
+    assert report["transformers"] is None
+    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        assert report[engine] is not None and report[engine].startswith(name + " "), report
+        assert re.search(reason, report[engine]), report[engine]
 
 
 def test_dropped_biases_load_everywhere_and_change_little(exported):

@@ -5,7 +5,7 @@ MLA backends, sglang/srt/models/deepseek_v2.py; not run here: both need a GPU); 
 what the engine does with a config that breaks it. Beyond these: vLLM's FlashMLA, CUTLASS,
 FlashInfer and CPU MLA backends take only 512 + 64 (320 runs on its Triton MLA backend), and on
 Hopper its prefill pairs qk_head_dim with v_head_dim (equal, or 128 < qk <= 192 with 96 < v <= 128,
-or qk <= 64): README "Serve it" lists them. A sparse MoE: vLLM's DeepseekV2MoE (used for V2 and V3)
+or qk <= 64): README "Serve it" lists them. Scaled ropes: see _rope_rule. A sparse MoE: vLLM's DeepseekV2MoE (used for V2 and V3)
 routes with `scoring_func` (softmax or sigmoid), `norm_topk_prob` (renormalise the top k),
 `n_group`/`topk_group` (1/1: plain top-k), `routed_scaling_factor` and, only for `topk_method`
 noaux_tc, a score-correction bias. transformers 5's config takes `n_shared_experts` only as an
@@ -15,6 +15,8 @@ zero-size kernels were not run here). `engine_report` is used by
 """
 
 from __future__ import annotations
+
+import math
 
 ENGINES = ("transformers", "vllm", "sglang")
 # vLLM's MLA attention backends take only these latent + rope widths (kv_lora_rank +
@@ -51,6 +53,35 @@ def _transformers(config: dict) -> str | None:
     return None
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_rule(rope: dict) -> str | None:
+    """vLLM and SGLang compute every scaled DeepSeek rope as DeepSeek-YaRN (rope_type forced to
+    deepseek_yarn: YaRN frequencies on qk_rope_head_dim with floor/ceil-truncated correction range,
+    cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim), mscale defaulting to 1 and
+    mscale_all_dim to 0). transformers' yarn computes the same frequencies, but its cos/sin factor is
+    `attention_factor` if given, else that ratio only when both mscale and mscale_all_dim are set,
+    else mscale(factor, 1). A yarn rope loads exactly where the two factors agree."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("default", "deepseek_yarn"):
+        return None
+    if rope_type != "yarn":
+        return f"computes every scaled DeepSeek rope as DeepSeek-YaRN, not {rope_type}"
+    if rope.get("truncate") is False:
+        return "always truncates the YaRN correction range (the rope has truncate: false)"
+    factor, m, m_all = float(rope["factor"]), rope.get("mscale"), rope.get("mscale_all_dim")
+    ours = rope.get("attention_factor")
+    if ours is None:
+        ours = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor, 1.0)
+    theirs = _yarn_mscale(factor, float(m if m is not None else 1.0)) / _yarn_mscale(factor, float(m_all or 0.0))
+    if not math.isclose(ours, theirs, rel_tol=1e-9):
+        return (f"scales the yarn rope's cos/sin by {theirs:.6g} (DeepSeek-YaRN's mscale ratio), "
+                f"transformers by {ours:.6g}")
+    return None
+
+
 def _common_serving(config: dict, name: str) -> str | None:
     if config.get("attention_bias"):
         return f"{name} has no attention biases and drops them silently (export with --drop-biases)"
@@ -58,9 +89,9 @@ def _common_serving(config: dict, name: str) -> str | None:
         return f"{name} expects num_key_value_heads == num_attention_heads"
     if not isinstance(config.get("n_routed_experts"), int):
         return f"{name} reads n_routed_experts as an integer"
-    rope_type = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
-    if rope_type not in ("default", "deepseek_yarn"):
-        return f"{name} computes every scaled DeepSeek rope as DeepSeek-YaRN, not {rope_type}"
+    reason = _rope_rule(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if reason:
+        return f"{name} {reason}"
     if config.get("qk_nope_head_dim") == 0:
         return f"{name}'s MLA kernels need a no-rope query/key part (qk_nope_head_dim is 0)"
     return None
