@@ -9,9 +9,12 @@ or qk <= 64): README "Serve it" lists them. Scaled ropes: see _rope_rule. A spar
 routes with `scoring_func` (softmax or sigmoid), `norm_topk_prob` (renormalise the top k),
 `n_group`/`topk_group` (1/1: plain top-k), `routed_scaling_factor` and, only for `topk_method`
 noaux_tc, a score-correction bias. transformers 5's config takes `n_shared_experts` only as an
-integer, so "no shared expert" is written as 0: vLLM then builds a shared MLP of zero width (its
-zero-size kernels were not run here). `engine_report` is used by
-`export` (to refuse) and by `inspect` (to tell).
+integer, so "no shared expert" is written as 0 (absent would mean its default, 1): vLLM then builds
+a shared MLP of zero width whose weights its strict loader requires (default_loader.py: "weights
+were not initialized from checkpoint"), so the export writes them as zero-size tensors; vLLM's CUDA
+silu_and_mul (csrc/activation_kernels.cu, used when its custom ops are on) divides by that width,
+its torch-native path does not (not run here). `engine_report` is used by `export` (to refuse) and
+by `inspect` (to tell); `source_report` by `convert --format deepseek` before converting.
 """
 
 from __future__ import annotations
@@ -41,16 +44,44 @@ def _routes_softmax(config: dict) -> bool:
     return sparse and config.get("scoring_func", "sigmoid") == "softmax"
 
 
+# engine -> why its DeepSeek MoE cannot serve a softmax router with no shared expert (Mixtral's);
+# absent: it can. SGLang (python/sglang/srt/models/deepseek_v2.py, layers/moe/topk.py) routes exactly
+# so (grouped_topk: softmax, one group, top k, renormalised by norm_topk_prob; no correction bias
+# unless topk_method noaux_tc), but it always builds the shared expert: n_shared_experts 0 gives a
+# zero-width MLP whose sgl_kernel silu_and_mul divides by that width, absent means transformers'
+# default 1 (a shared expert with no weights), and transformers 5 rejects null.
+SOFTMAX_ROUTER_REASONS = {
+    "transformers": "its DeepseekV3 always scores experts with a sigmoid (it ignores scoring_func softmax) and "
+                    "its DeepseekV2 does not renormalise the top-k weights: no stock router equals this one "
+                    "(serve it with --engines vllm)",
+    "sglang": "SGLang routes softmax top-k renormalised like this, but always builds a shared expert: with "
+              "n_shared_experts 0 it is zero-wide and sgl_kernel's silu_and_mul divides by its width "
+              "(serve it with --engines vllm)",
+}
+
+
+def source_report(config: dict) -> dict[str, str | None]:
+    """engine -> the reason it cannot load the export, for the rules a source already decides (its
+    MoE router, its rope scaling); `config` holds DeepSeek's names (first_k_dense_replace,
+    num_hidden_layers, scoring_func, rope_parameters). None: not decided yet."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    names = {"vllm": "vLLM", "sglang": "SGLang"}
+    report: dict[str, str | None] = {}
+    for engine in ENGINES:
+        reason = SOFTMAX_ROUTER_REASONS.get(engine) if _routes_softmax(config) else None
+        if reason is None and engine in names:
+            rope_reason = _rope_rule(rope)
+            reason = f"{names[engine]} {rope_reason}" if rope_reason else None
+        report[engine] = reason
+    return report
+
+
 def _transformers(config: dict) -> str | None:
     try:
         from transformers import DeepseekV3ForCausalLM  # noqa: F401
     except ImportError:
         return "the installed transformers has no DeepseekV3 (needs 4.51 or later)"
-    if _routes_softmax(config):
-        return ("its DeepseekV3 always scores experts with a sigmoid (it ignores scoring_func softmax) and "
-                "its DeepseekV2 does not renormalise the top-k weights: no stock router equals this one "
-                "(serve it with --engines vllm)")
-    return None
+    return source_report(config)["transformers"]
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -89,16 +120,13 @@ def _common_serving(config: dict, name: str) -> str | None:
         return f"{name} expects num_key_value_heads == num_attention_heads"
     if not isinstance(config.get("n_routed_experts"), int):
         return f"{name} reads n_routed_experts as an integer"
-    reason = _rope_rule(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if reason:
-        return f"{name} {reason}"
     if config.get("qk_nope_head_dim") == 0:
         return f"{name}'s MLA kernels need a no-rope query/key part (qk_nope_head_dim is 0)"
     return None
 
 
 def _vllm(config: dict) -> str | None:
-    reason = _common_serving(config, "vLLM")
+    reason = source_report(config)["vllm"] or _common_serving(config, "vLLM")
     if reason:
         return reason
     width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
@@ -111,9 +139,17 @@ def _vllm(config: dict) -> str | None:
 
 
 def _sglang(config: dict) -> str | None:
-    if _routes_softmax(config):
-        return "SGLang's DeepSeek MoE router was not checked for softmax scoring here (serve it with --engines vllm)"
-    return _common_serving(config, "SGLang")
+    return source_report(config)["sglang"] or _common_serving(config, "SGLang")
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    """`--engines` (comma-separated names or all) as a tuple of engine names; unknown names refused."""
+    names = tuple(e.strip() for e in text.split(",") if e.strip())
+    names = ENGINES if "all" in names else names
+    unknown = [e for e in names if e not in ENGINES]
+    if unknown or not names:
+        raise ValueError(f"unknown engine {unknown[0] if unknown else text!r}; choose from {', '.join(ENGINES)} or all")
+    return names
 
 
 _RULES = {"transformers": _transformers, "vllm": _vllm, "sglang": _sglang}
