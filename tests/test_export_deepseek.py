@@ -5,6 +5,7 @@ exactly is refused with one line and nothing on disk."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,11 @@ def _convert(src: Path, out: Path, **options) -> Path:
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# transformers 5 spells rope scaling `rope_parameters` (rope_scaling is the old name). With no mscale
+# fields, transformers' yarn and vLLM/SGLang's DeepSeek-YaRN scale cos/sin by the same 0.1 ln(4) + 1.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+# mscale_all_dim also scales DeepSeek's softmax (mscale^2): the export folds the ratio into the queries.
+YARN_MSCALE_ROPE = {**YARN_ROPE, "mscale": 1.0, "mscale_all_dim": 1.0}
 # case -> (family, source overrides, conversion options, export options)
 CASES = {
     "llama-transmla-50": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
@@ -48,6 +54,8 @@ CASES = {
     "llama-bias-transmla-50": ("llama", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-transmla-qlora": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True, q_lora_rank=16), {}),
     "llama-llama3-rope-transmla-25": ("llama", {"rope_parameters": LLAMA3_ROPE}, dict(method="transmla", kv_budget=0.25, shared_rope=True), {}),
+    "llama-yarn-rope-transmla-25-all-engines": ("llama", {"rope_parameters": YARN_ROPE}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines=("all",), pad_latent=True)),
+    "qwen2-yarn-mscale-transmla-50": ("qwen2", {"rope_parameters": YARN_MSCALE_ROPE}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-mqa-lossless": ("llama", {"num_key_value_heads": 1}, dict(method="lossless"), {}),
     "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform"), {}),
     "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines=("vllm", "sglang", "transformers"), pad_latent=True)),
@@ -130,6 +138,36 @@ def test_padded_latent_is_a_width_vllm_accepts(exported):
     assert r.engines == {"transformers": None, "vllm": None, "sglang": None}
 
 
+def test_yarn_rope_is_carried_for_every_engine(exported):
+    """A yarn source keeps its rope type and parameters (DeepseekV3 recomputes the same YaRN grid and
+    cos/sin factor on qk_rope_head_dim; the logits match in test_stock_transformers_equals_native), and
+    vLLM/SGLang, which turn every scaled rope into DeepSeek-YaRN, compute the same factor here."""
+    natives, exports, results, _ = exported
+    for case, rope in (("llama-yarn-rope-transmla-25-all-engines", YARN_ROPE), ("qwen2-yarn-mscale-transmla-50", YARN_MSCALE_ROPE)):
+        config = json.loads((exports[case] / "config.json").read_text())
+        assert config["rope_parameters"] == rope and config["rope_scaling"] == rope, case
+    assert results["llama-yarn-rope-transmla-25-all-engines"].engines == {"transformers": None, "vllm": None, "sglang": None}
+
+
+@pytest.mark.parametrize("rope, reason", [
+    (LLAMA3_ROPE, "computes every scaled DeepSeek rope as DeepSeek-YaRN, not llama3"),
+    # transformers uses mscale(4, 1) unless both mscale fields are set; DeepSeek-YaRN divides by mscale(4, 1)
+    ({**YARN_ROPE, "mscale_all_dim": 1.0}, r"scales the yarn rope's cos/sin by 1 \(DeepSeek-YaRN's mscale ratio\), transformers by 1.13863"),
+    ({**YARN_ROPE, "attention_factor": 1.0}, "scales the yarn rope's cos/sin by 1.13863"),
+    ({**YARN_ROPE, "truncate": False}, "always truncates the YaRN correction range"),
+])
+def test_serving_engines_refuse_ropes_they_compute_differently(rope, reason):
+    from transmla.export.engines import engine_report
+
+    config = {"num_key_value_heads": 4, "num_attention_heads": 4, "n_routed_experts": 1, "kv_lora_rank": 256,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "rope_parameters": rope}
+    report = engine_report(config)
+    assert report["transformers"] is None
+    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        assert report[engine] is not None and report[engine].startswith(name + " "), report
+        assert re.search(reason, report[engine]), report[engine]
+
+
 def test_dropped_biases_load_everywhere_and_change_little(exported):
     natives, exports, results, stock = exported
     r = results["qwen2-bias-dropped"]
@@ -209,7 +247,7 @@ def test_refuses_a_width_vllm_rejects_without_padding(native, tmp_path):
 @pytest.mark.parametrize("engines", [("transformers",), ("sglang",)])
 def test_refuses_mixtral_where_no_router_equals_its_own(native, tmp_path, engines):
     folder = native("mixtral", method="transmla", kv_budget=0.5, shared_rope=True)
-    reason = "sigmoid" if engines == ("transformers",) else "not checked"
+    reason = "sigmoid" if engines == ("transformers",) else "always builds a shared expert.*zero-wide"
     with pytest.raises(ExportError, match=f"{engines[0]} would not load.*{reason}.*--engines vllm"):
         export_deepseek(folder, tmp_path / "ds", ExportOptions(engines=engines, pad_latent=True), progress=False)
     _nothing_written(tmp_path / "ds")
@@ -226,13 +264,20 @@ def test_mixtral_export_routes_like_mixtral_in_vllm_terms(exported):
     assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (4, 2)
     assert config["scoring_func"] == "softmax" and config["norm_topk_prob"] is True
     assert config["topk_method"] == "greedy" and config["routed_scaling_factor"] == 1.0
-    names = set(load_file(str(next(folder.glob("*.safetensors")))).keys())
+    tensors = load_file(str(next(folder.glob("*.safetensors"))))
+    names = set(tensors)
     assert not any("block_sparse_moe" in n for n in names)
     for e in range(4):
         for part in ("gate_proj", "up_proj", "down_proj"):
             assert f"model.layers.1.mlp.experts.{e}.{part}.weight" in names
+    # vLLM (and SGLang) build the shared expert even at n_shared_experts 0, and vLLM's loader refuses a
+    # checkpoint that lacks any parameter: its zero-wide weights are written.
+    for i in range(2):
+        for part, shape in (("gate_proj", [0, 48]), ("up_proj", [0, 48]), ("down_proj", [48, 0])):
+            assert list(tensors[f"model.layers.{i}.mlp.shared_experts.{part}.weight"].shape) == shape
     assert results["mixtral-transmla-vllm"].engines["vllm"] is None
     assert "sigmoid" in results["mixtral-transmla-vllm"].engines["transformers"]
+    assert "silu_and_mul divides by its width" in results["mixtral-transmla-vllm"].engines["sglang"]
 
 
 def test_shared_rope_is_refused_where_a_method_cannot_share_one_grid(tiny_factory, tmp_path):
@@ -280,10 +325,110 @@ def test_cli_convert_format_deepseek_equals_export_of_shared_rope(cli, tmp_path)
     assert info["loads in transformers"] == "yes" and info["loads in vllm"].startswith("no: vLLM's MLA backends accept")
 
 
-def test_cli_export_error_is_one_line(cli, native, tmp_path):
-    folder = native(method="lossless")
-    code, out, err = cli("export", folder, tmp_path / "ds")
-    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "not one grid" in err
+def _per_layer_frequencies(folder: Path) -> Path:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["mla"]["rope_inv_freq"][1] = [f * 0.5 for f in cfg["mla"]["rope_inv_freq"][1]]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+# refusal -> (source family and overrides, conversion, export flags, edit of the native folder, the fix named)
+CLI_REFUSALS = {
+    "off-grid": ("llama", {}, dict(method="lossless"), [], None, "not one grid.*--shared-rope"),
+    "fp16": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), ["--dtype", "fp16"], None, "fp16.*fp32 or bf16"),
+    "biases-sglang": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), ["--engines", "sglang"], None, "sglang has no attention biases.*--drop-biases"),
+    "vllm-width": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), ["--engines", "vllm"], None, "vllm would not load.*--pad-latent"),
+    "per-layer-frequencies": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), [], _per_layer_frequencies, "differ between layers.*--shared-rope"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_REFUSALS))
+def test_cli_export_error_is_one_line(cli, native, tmp_path, case):
+    family, src_kw, conv, flags, edit, fix = CLI_REFUSALS[case]
+    folder = native(family, src_kw, **conv)
+    if edit is not None:
+        edit(folder)
+    out = tmp_path / "out" / "ds"
+    out.parent.mkdir()
+    code, _, err = cli("export", folder, out, *flags)
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert re.search(fix, err), err
+    _nothing_written(out)
+
+
+def test_cli_convert_format_deepseek_takes_the_export_options(cli, tmp_path):
+    """`convert --format deepseek` takes export's --engines, --pad-latent and --drop-biases."""
+    src = tmp_path / "src"
+    make_tiny_model("llama", src, bias=True)  # Llama with attention biases (Qwen2 would load its own tokenizer class)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(4000)))
+    save_word_tokenizer(src)
+    code, out, err = cli("convert", src, tmp_path / "ds", "--method", "transmla", "--kv-budget", "0.25", "--calib", text,
+                         "--calib-samples", "8", "--calib-seq-len", "16", "--device", "cpu", "--format", "deepseek",
+                         "--engines", "all", "--pad-latent", "--drop-biases", "--json")
+    assert code == 0, err
+    assert json.loads(out)["kv_elements_per_token_per_layer"] == 320
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 320 and config["attention_bias"] is False
+    record = config["transmla_export"]
+    assert record["engines"] == ["transformers", "vllm", "sglang"] and record["dropped_biases"] and record["padded_latent"]
+
+
+def _fp16_source(path: Path) -> None:
+    make_tiny_model("llama", path).half().save_pretrained(path)
+
+
+# refusal -> (make the source, convert flags, the one line it prints)
+CONVERT_REFUSALS = {
+    "biases-sglang": (lambda p: make_tiny_model("qwen2", p, bias=True), ["--engines", "sglang"], "sglang has no attention biases.*--drop-biases"),
+    "mixtral-transformers": (lambda p: make_tiny_model("mixtral", p), [], "transformers would not load.*sigmoid.*--engines vllm"),
+    "mixtral-sglang": (lambda p: make_tiny_model("mixtral", p), ["--engines", "sglang", "--pad-latent"], "sglang would not load.*zero-wide"),
+    "llama3-rope-vllm": (lambda p: make_tiny_model("llama", p, rope_parameters=LLAMA3_ROPE), ["--engines", "vllm", "--pad-latent"], "vllm would not load.*not llama3"),
+    "fp16": (_fp16_source, [], "fp16.*--dtype fp32 or bf16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVERT_REFUSALS))
+def test_cli_convert_format_deepseek_refuses_before_converting(cli, tmp_path, monkeypatch, case):
+    """What the source decides is refused before the conversion starts: one line, nothing on disk."""
+    import transmla.convert.api as api
+
+    def never(*args, **kwargs):
+        raise AssertionError("the conversion started")
+
+    monkeypatch.setattr(api, "LayerStream", never)
+    make, flags, message = CONVERT_REFUSALS[case]
+    make(tmp_path / "src")
+    code, _, err = cli("convert", tmp_path / "src", tmp_path / "ds", "--method", "transmla", "--kv-budget", "0.5",
+                       "--device", "cpu", "--format", "deepseek", *flags)
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_cli_export_options_need_format_deepseek(cli, tiny_factory, tmp_path):
+    _, src = tiny_factory("llama")
+    code, _, err = cli("convert", src, tmp_path / "out", "--pad-latent")
+    assert code == 1 and "--pad-latent does not apply to format native" in err and not (tmp_path / "out").exists()
+
+
+def test_rms_norm_eps_becomes_deepseeks_and_that_alone_changes_the_model(native, tmp_path):
+    """A source with rms_norm_eps 1e-5 exports with 1e-6 (the eps transformers fixes for the latent
+    norm) on every norm: the export equals the native model run at 1e-6. Against the native model at
+    its own 1e-5 the tiny random model moves by a max relative logit error of 1.4e-2 (measured; its
+    embeddings have std 0.02, so mean(h^2) ~ 4e-4 and eps 1e-5 is not negligible there); the
+    SmolLM2 perplexity change is in the benchmark."""
+    folder = native(src_kw={"rms_norm_eps": 1e-5}, method="transmla", kv_budget=0.5, shared_rope=True)
+    result = export_deepseek(folder, tmp_path / "ds", ExportOptions(), progress=False)
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["rms_norm_eps"] == 1e-6
+    assert result.record["source_rms_norm_eps"] == 1e-5 and result.record["rms_norm_eps_changed"]
+    with torch.no_grad():
+        ds = AutoModelForCausalLM.from_pretrained(tmp_path / "ds", dtype=torch.float32).eval()(IDS).logits
+        at_1e5 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(IDS).logits
+        at_1e6 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, rms_norm_eps=1e-6).eval()(IDS).logits
+    assert _rel(at_1e6, ds) <= 1e-5
+    assert _rel(at_1e5, ds) > 1e-3  # the eps change is the whole difference, and it is real here
 
 
 def test_bf16_export_is_within_bf16_noise(native, tmp_path):

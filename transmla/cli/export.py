@@ -9,6 +9,7 @@ import typer
 
 from ..checkpoint.resolve import resolve_model_dir
 from ..export.deepseek import ExportOptions, export_deepseek
+from ..export.engines import parse_engines
 from ..export.gguf import GGUF_TYPES, export_gguf
 from .common import JsonFlag, emit
 
@@ -40,7 +41,7 @@ def export(
               "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases}, as_json, "exported")
         return
     options = ExportOptions(
-        engines=tuple(e.strip() for e in engines.split(",") if e.strip()), pad_latent=pad_latent,
+        engines=parse_engines(engines), pad_latent=pad_latent,
         drop_biases=drop_biases, dtype=dtype, max_shard_size=max_shard_size, force=force,
     )
     result = export_deepseek(resolve_model_dir(model), output, options)

@@ -43,9 +43,13 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
     export_options = None
     if options.output.format == "deepseek":
         from ..export.deepseek import ExportOptions
+        from ..export.engines import parse_engines
 
         out = options.output
-        export_options = ExportOptions(dtype=out.dtype, max_shard_size=out.max_shard_size, force=out.force)
+        export_options = ExportOptions(
+            engines=parse_engines(out.engines), pad_latent=out.pad_latent, drop_biases=out.drop_biases,
+            dtype=out.dtype, max_shard_size=out.max_shard_size, force=out.force,
+        )
     source_dir = resolve_model_dir(source)
     refuse_overlap(source_dir, output)
     config = load_config(source_dir)
@@ -53,6 +57,9 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
         raise ValueError(f"{source} is already an MLA model")
     family_for(config)
     if export_options is not None:
+        from ..export.deepseek import check_source
+
+        check_source(config, export_options)  # before the slow part: a refused export writes nothing
         options = replace(options, settings=method.shared_rope(attention_geometry(config), options.settings))
     layers = LayerStream(method, source_dir, config, options, progress=progress, keep_stages=stage_report is not None)
 

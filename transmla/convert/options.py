@@ -75,12 +75,29 @@ class OutputOptions:
         "native", "native (our MLA format) | deepseek (a stock DeepseekV3ForCausalLM folder; implies --shared-rope).",
         flag="--format",
     )
+    engines: str = option(
+        "transformers", "--format deepseek: engines the export must load in exactly, comma-separated: "
+        "transformers, vllm, sglang or all (their rules are checked before converting where the source decides them).",
+    )
+    pad_latent: bool = option(
+        False, "--format deepseek: zero-pad the latent so kv_lora_rank + qk_rope_head_dim is a width vLLM accepts "
+        "(320 or 576): exact, but the cache grows to that width.",
+    )
+    drop_biases: bool = option(
+        False, "--format deepseek: drop attention biases for engines without them (vLLM, SGLang): lossy, measure it.",
+    )
 
     def __post_init__(self) -> None:
         from ..checkpoint.writer import parse_size
+        from ..export.engines import parse_engines
 
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        parse_engines(self.engines)
+        if self.format != "deepseek":
+            export_only = {"engines": self.engines != "transformers", "pad_latent": self.pad_latent, "drop_biases": self.drop_biases}
+            for name in (n for n, set_ in export_only.items() if set_):
+                raise ValueError(f"{name} does not apply to format {self.format}; it is an option of the deepseek export")
         if self.dtype is not None:
             torch_dtype(self.dtype)  # fail before any work on a bad name
         parse_size(self.max_shard_size)

@@ -45,12 +45,13 @@ from ..dtypes import torch_dtype
 from ..families import family_for
 from ..mla.model import MODEL_TYPE_PREFIX
 from ..progress import progress_bar
-from .engines import ENGINES, engine_report, padded_latent_size
+from .engines import ENGINES, engine_report, padded_latent_size, source_report
 from .errors import ExportError
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3 hard-codes this eps for kv_a/q_a_layernorm
 NORM_TRICK_TOLERANCE = 1e-9  # s^2 * bound(mean c^2) / eps: relative latent error <= 5e-10
 EXPORT_KEY = "transmla_export"  # our record in the exported config.json
+FP16_SOURCE = "the model is fp16, which underflows the scaled latent rows; pass --dtype fp32 or bf16"
 
 
 @dataclass
@@ -212,12 +213,7 @@ def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) ->
     if mla.get("q_lora_rank") and mla.get("q_a_norm") and not math.isclose(mla.get("rms_norm_eps", 0), LATENT_NORM_EPS):
         raise ExportError(f"the query RMSNorm uses eps {mla['rms_norm_eps']}; DeepSeek engines fix {LATENT_NORM_EPS}")
     any_bias = any(has_bias.values())
-    biased_engines = [e for e in options.engines if e != "transformers"]
-    if any_bias and biased_engines and not options.drop_biases:
-        raise ExportError(
-            f"{biased_engines[0]} has no attention biases (it would drop them silently): pass --drop-biases "
-            f"(lossy; measure it) or --engines transformers (exact)"
-        )
+    _check_biases(any_bias, options)
     keep_bias = any_bias and not options.drop_biases
     d_c_out = d_c
     if options.pad_latent:
@@ -290,6 +286,36 @@ def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) ->
         input_norm=family.input_norm, record=record,
         moe_tensors=family.moe.deepseek_tensors if family.moe is not None else None,
     )
+
+
+def _check_biases(any_bias: bool, options: ExportOptions) -> None:
+    biased_engines = [e for e in options.engines if e != "transformers"]
+    if any_bias and biased_engines and not options.drop_biases:
+        raise ExportError(
+            f"{biased_engines[0]} has no attention biases (it would drop them silently): pass --drop-biases "
+            f"(lossy; measure it) or --engines transformers (exact)"
+        )
+
+
+def check_source(config, options: ExportOptions) -> None:
+    """What a source model (a transformers config) already decides about its DeepSeek export, checked
+    before converting (`convert --format deepseek`) so that a refused export fails before the slow
+    part and writes nothing: attention biases for engines without them, the MoE router and the rope
+    scaling per engine, an fp16 model. The rest (rope grid, latent width) is checked after."""
+    family = family_for(config)
+    _check_biases(family.has_qkv_bias(config) or family.has_o_bias(config), options)
+    cfg = config.to_dict()
+    layers = int(cfg["num_hidden_layers"])
+    probe = {"num_hidden_layers": layers, "first_k_dense_replace": 0 if family.moe else layers,
+             "rope_parameters": _source_rope_parameters(cfg)}
+    if family.moe is not None:
+        probe["scoring_func"] = family.moe.scoring_func
+    report = source_report(probe)
+    for engine in options.engines:
+        if report[engine] is not None:
+            raise ExportError(f"{engine} would not load this export: {report[engine]}")
+    if options.dtype is None and _native_dtype(cfg) == torch.float16:
+        raise ExportError(FP16_SOURCE)
 
 
 def _moe_config(cfg: dict, moe) -> dict:
@@ -501,7 +527,7 @@ def export_deepseek(model_dir: str | Path, output: str | Path, options: ExportOp
     cfg, plan = prepare_export(model_dir, options)
     out_dtype = torch_dtype(options.dtype) if options.dtype else _native_dtype(cfg)
     if out_dtype == torch.float16:
-        raise ExportError("the model is fp16, which underflows the scaled latent rows; pass --dtype fp32 or bf16")
+        raise ExportError(FP16_SOURCE)
     with SafetensorsReader(model_dir) as reader, atomic_output_dir(output, force=options.force) as tmp:
         writer = ShardedWriter(tmp, options.max_shard_size)
         for name, tensor in deepseek_tensors(reader, plan, progress):

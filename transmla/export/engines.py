@@ -5,16 +5,21 @@ MLA backends, sglang/srt/models/deepseek_v2.py; not run here: both need a GPU); 
 what the engine does with a config that breaks it. Beyond these: vLLM's FlashMLA, CUTLASS,
 FlashInfer and CPU MLA backends take only 512 + 64 (320 runs on its Triton MLA backend), and on
 Hopper its prefill pairs qk_head_dim with v_head_dim (equal, or 128 < qk <= 192 with 96 < v <= 128,
-or qk <= 64): README "Serve it" lists them. A sparse MoE: vLLM's DeepseekV2MoE (used for V2 and V3)
+or qk <= 64): README "Serve it" lists them. Scaled ropes: see _rope_rule. A sparse MoE: vLLM's DeepseekV2MoE (used for V2 and V3)
 routes with `scoring_func` (softmax or sigmoid), `norm_topk_prob` (renormalise the top k),
 `n_group`/`topk_group` (1/1: plain top-k), `routed_scaling_factor` and, only for `topk_method`
 noaux_tc, a score-correction bias. transformers 5's config takes `n_shared_experts` only as an
-integer, so "no shared expert" is written as 0: vLLM then builds a shared MLP of zero width (its
-zero-size kernels were not run here). `engine_report` is used by
-`export` (to refuse) and by `inspect` (to tell).
+integer, so "no shared expert" is written as 0 (absent would mean its default, 1): vLLM then builds
+a shared MLP of zero width whose weights its strict loader requires (default_loader.py: "weights
+were not initialized from checkpoint"), so the export writes them as zero-size tensors; vLLM's CUDA
+silu_and_mul (csrc/activation_kernels.cu, used when its custom ops are on) divides by that width,
+its torch-native path does not (not run here). `engine_report` is used by `export` (to refuse) and
+by `inspect` (to tell); `source_report` by `convert --format deepseek` before converting.
 """
 
 from __future__ import annotations
+
+import math
 
 ENGINES = ("transformers", "vllm", "sglang")
 # vLLM's MLA attention backends take only these latent + rope widths (kv_lora_rank +
@@ -39,15 +44,72 @@ def _routes_softmax(config: dict) -> bool:
     return sparse and config.get("scoring_func", "sigmoid") == "softmax"
 
 
+# engine -> why its DeepSeek MoE cannot serve a softmax router with no shared expert (Mixtral's);
+# absent: it can. SGLang (python/sglang/srt/models/deepseek_v2.py, layers/moe/topk.py) routes exactly
+# so (grouped_topk: softmax, one group, top k, renormalised by norm_topk_prob; no correction bias
+# unless topk_method noaux_tc), but it always builds the shared expert: n_shared_experts 0 gives a
+# zero-width MLP whose sgl_kernel silu_and_mul divides by that width, absent means transformers'
+# default 1 (a shared expert with no weights), and transformers 5 rejects null.
+SOFTMAX_ROUTER_REASONS = {
+    "transformers": "its DeepseekV3 always scores experts with a sigmoid (it ignores scoring_func softmax) and "
+                    "its DeepseekV2 does not renormalise the top-k weights: no stock router equals this one "
+                    "(serve it with --engines vllm)",
+    "sglang": "SGLang routes softmax top-k renormalised like this, but always builds a shared expert: with "
+              "n_shared_experts 0 it is zero-wide and sgl_kernel's silu_and_mul divides by its width "
+              "(serve it with --engines vllm)",
+}
+
+
+def source_report(config: dict) -> dict[str, str | None]:
+    """engine -> the reason it cannot load the export, for the rules a source already decides (its
+    MoE router, its rope scaling); `config` holds DeepSeek's names (first_k_dense_replace,
+    num_hidden_layers, scoring_func, rope_parameters). None: not decided yet."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    names = {"vllm": "vLLM", "sglang": "SGLang"}
+    report: dict[str, str | None] = {}
+    for engine in ENGINES:
+        reason = SOFTMAX_ROUTER_REASONS.get(engine) if _routes_softmax(config) else None
+        if reason is None and engine in names:
+            rope_reason = _rope_rule(rope)
+            reason = f"{names[engine]} {rope_reason}" if rope_reason else None
+        report[engine] = reason
+    return report
+
+
 def _transformers(config: dict) -> str | None:
     try:
         from transformers import DeepseekV3ForCausalLM  # noqa: F401
     except ImportError:
         return "the installed transformers has no DeepseekV3 (needs 4.51 or later)"
-    if _routes_softmax(config):
-        return ("its DeepseekV3 always scores experts with a sigmoid (it ignores scoring_func softmax) and "
-                "its DeepseekV2 does not renormalise the top-k weights: no stock router equals this one "
-                "(serve it with --engines vllm)")
+    return source_report(config)["transformers"]
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_rule(rope: dict) -> str | None:
+    """vLLM and SGLang compute every scaled DeepSeek rope as DeepSeek-YaRN (rope_type forced to
+    deepseek_yarn: YaRN frequencies on qk_rope_head_dim with floor/ceil-truncated correction range,
+    cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim), mscale defaulting to 1 and
+    mscale_all_dim to 0). transformers' yarn computes the same frequencies, but its cos/sin factor is
+    `attention_factor` if given, else that ratio only when both mscale and mscale_all_dim are set,
+    else mscale(factor, 1). A yarn rope loads exactly where the two factors agree."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("default", "deepseek_yarn"):
+        return None
+    if rope_type != "yarn":
+        return f"computes every scaled DeepSeek rope as DeepSeek-YaRN, not {rope_type}"
+    if rope.get("truncate") is False:
+        return "always truncates the YaRN correction range (the rope has truncate: false)"
+    factor, m, m_all = float(rope["factor"]), rope.get("mscale"), rope.get("mscale_all_dim")
+    ours = rope.get("attention_factor")
+    if ours is None:
+        ours = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor, 1.0)
+    theirs = _yarn_mscale(factor, float(m if m is not None else 1.0)) / _yarn_mscale(factor, float(m_all or 0.0))
+    if not math.isclose(ours, theirs, rel_tol=1e-9):
+        return (f"scales the yarn rope's cos/sin by {theirs:.6g} (DeepSeek-YaRN's mscale ratio), "
+                f"transformers by {ours:.6g}")
     return None
 
 
@@ -58,16 +120,13 @@ def _common_serving(config: dict, name: str) -> str | None:
         return f"{name} expects num_key_value_heads == num_attention_heads"
     if not isinstance(config.get("n_routed_experts"), int):
         return f"{name} reads n_routed_experts as an integer"
-    rope_type = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
-    if rope_type not in ("default", "deepseek_yarn"):
-        return f"{name} computes every scaled DeepSeek rope as DeepSeek-YaRN, not {rope_type}"
     if config.get("qk_nope_head_dim") == 0:
         return f"{name}'s MLA kernels need a no-rope query/key part (qk_nope_head_dim is 0)"
     return None
 
 
 def _vllm(config: dict) -> str | None:
-    reason = _common_serving(config, "vLLM")
+    reason = source_report(config)["vllm"] or _common_serving(config, "vLLM")
     if reason:
         return reason
     width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
@@ -80,9 +139,17 @@ def _vllm(config: dict) -> str | None:
 
 
 def _sglang(config: dict) -> str | None:
-    if _routes_softmax(config):
-        return "SGLang's DeepSeek MoE router was not checked for softmax scoring here (serve it with --engines vllm)"
-    return _common_serving(config, "SGLang")
+    return source_report(config)["sglang"] or _common_serving(config, "SGLang")
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    """`--engines` (comma-separated names or all) as a tuple of engine names; unknown names refused."""
+    names = tuple(e.strip() for e in text.split(",") if e.strip())
+    names = ENGINES if "all" in names else names
+    unknown = [e for e in names if e not in ENGINES]
+    if unknown or not names:
+        raise ValueError(f"unknown engine {unknown[0] if unknown else text!r}; choose from {', '.join(ENGINES)} or all")
+    return names
 
 
 _RULES = {"transformers": _transformers, "vllm": _vllm, "sglang": _sglang}

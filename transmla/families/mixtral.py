@@ -35,7 +35,13 @@ def deepseek_moe_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, tor
     not part of the MoE. Per-expert w1/w3/w2 are renamed (gate/up/down_proj); transformers 5's fused
     gate_up_proj [E, 2I, D] and down_proj [E, D, I] are split per expert."""
     if name in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
-        return [("mlp.gate.weight", tensor)]
+        # DeepSeek's shared expert, zero-wide (n_shared_experts 0): engines still build it, and vLLM's
+        # loader refuses a checkpoint without its (empty) weights.
+        D = tensor.shape[1]
+        return [("mlp.gate.weight", tensor),
+                ("mlp.shared_experts.gate_proj.weight", tensor.new_zeros(0, D)),
+                ("mlp.shared_experts.up_proj.weight", tensor.new_zeros(0, D)),
+                ("mlp.shared_experts.down_proj.weight", tensor.new_zeros(D, 0))]
     m = _EXPERT.fullmatch(name)
     if m:
         return [(f"mlp.experts.{m.group(1)}.{_DEEPSEEK_EXPERT[m.group(2)]}.weight", tensor)]
