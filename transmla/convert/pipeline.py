@@ -108,12 +108,18 @@ class LayerStream:
 
     def record(self) -> dict:
         """The method's part of config.json's "mla.method" block."""
-        meta = {"name": self.method.name, **self.method.describe(self.plan)}
-        if any(self.infos):
-            meta["layers"] = self.infos
-        if self.calibration is not None:
-            meta["calibration"] = self.calibration
-        return meta
+        return method_record(self.method, self.plan, self.infos, self.calibration)
+
+
+def method_record(method: ConversionMethod, plan, infos: list[dict] = (), calibration: dict | None = None) -> dict:
+    """config.json's "mla.method" block (the method's part) for layers converted by `method` with
+    `plan`: its name, its description of the plan, each layer's info and the calibration record."""
+    meta = {"name": method.name, **method.describe(plan)}
+    if any(infos):
+        meta["layers"] = list(infos)
+    if calibration is not None:
+        meta["calibration"] = calibration
+    return meta
 
 
 def _shape_signature(layer: MLALayer) -> dict[str, tuple | None]:
