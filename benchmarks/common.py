@@ -21,7 +21,18 @@ def log(msg: str) -> None:
 
 
 def load_json(path: Path) -> dict:
+    """The JSON object in `path`, {} when there is none yet."""
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_json(path: Path, data: Any, *, indent: int = 1, sort_keys: bool = True, newline: bool = False,
+              default: Callable[[Any], Any] | None = None) -> None:
+    """Write `data` to `path` atomically (through a .tmp file) as json.dumps with these settings, plus a
+    final newline when asked: each results file keeps the layout it has always had."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=indent, sort_keys=sort_keys, default=default) + ("\n" if newline else ""))
+    tmp.replace(path)
 
 
 class ResultCache:
@@ -35,9 +46,7 @@ class ResultCache:
         merged = {**load_json(self.path), **self.results}
         self.results.clear()
         self.results.update(merged)  # in place: callers may hold self.results
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.results, indent=1, sort_keys=True))
-        tmp.replace(self.path)
+        save_json(self.path, self.results)
 
     def cached(self, key: str, fn: Callable[[], Any]) -> Any:
         """fn()'s value under `key`, computed (and saved, with its seconds) only when missing."""

@@ -5,7 +5,7 @@ stock transformers gives the native model's perplexity.
 
 DeepSeek engines share one rope grid theta^(-2i/d_r) in every layer. `convert --shared-rope`
 keeps one RoRoPE/FreqFold component per fold group (F = d/r) at the group's first frequency.
-Which component (open decision, chosen on the dev32 windows of transmla_bench.py, never on test
+Which component (open decision, chosen on the dev32 windows of benchmarks/smollm2.py, never on test
 windows): the one with the largest expected score change (ours, "grid-score") or the one with the
 largest key energy (the published TransMLA selection with F = d/r, "grid-energy", the dev
 baseline). Both beside today's defaults (score selection anywhere: not exportable; their numbers
@@ -30,11 +30,12 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from transmla.convert.pipeline import write_mla_checkpoint
+from transmla.convert.pipeline import method_record, write_mla_checkpoint
+from transmla.convert.registry import get_method
 from transmla.export.deepseek import ExportOptions, export_deepseek
 
 from .common import RESULTS, log, machine
-from .transmla_bench import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers, ours_plan
+from .smollm2 import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers, ours_plan
 
 ROOT = Path(__file__).resolve().parent
 WORK = CACHE / "deepseek-export"
@@ -76,10 +77,12 @@ def write_native(b: Bench, budget: str, name: str, overrides: dict) -> Path:
     calib, propagate = cli_defaults()
     out = WORK / f"{budget[:-1]}-{name.split()[0]}-native"
     if not (out / "config.json").exists():
-        layers, _ = ours_layers(b, budget, calib, propagate, **overrides)
+        layers, infos = ours_layers(b, budget, calib, propagate, **overrides)
         plan = replace(ours_plan(budget), **overrides)
-        write_mla_checkpoint(b.src_dir, b.config, out, iter(layers), {"name": "transmla", "plan": plan.to_dict()},
-                             force=True, progress=False)
+        n, t, seed = calib
+        calibration = {"text": "wiki", "samples": n, "seq_len": t, "seed": seed, "tokens": n * t, "propagate": propagate}
+        record = method_record(get_method("transmla"), plan, infos, calibration)
+        write_mla_checkpoint(b.src_dir, b.config, out, iter(layers), record, force=True, progress=False)
     return out
 
 

@@ -27,7 +27,6 @@ recorded with each setting.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ import transmla  # noqa: F401
 from transmla.checkpoint.resolve import cache_root
 from transmla.eval.generate_bench import bench_generate
 
-from .common import RESULTS, machine
+from .common import RESULTS, load_json, machine, save_json
 
 JSON_PATH = RESULTS / "generate_bench.json"
 MODELS = cache_root() / "bench-generate"
@@ -76,10 +75,6 @@ def converted_model(budget: str) -> Path:
         subprocess.run([str(cli), "convert", SOURCE, str(out), "--method", "transmla",
                         "--kv-budget", str(BUDGETS[budget])], check=True)
     return out
-
-
-def load_results() -> dict:
-    return json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"settings": {}}
 
 
 def run_setting(setting: dict) -> dict:
@@ -164,7 +159,7 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only rewrite the table and plot")
     parser.add_argument("--redo", action="store_true", help="run settings already in the JSON again")
     args = parser.parse_args()
-    results = load_results()
+    results = load_json(JSON_PATH) or {"settings": {}}
     if not args.report:
         env = machine()
         results["machine"] = f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}"
@@ -177,8 +172,7 @@ def main() -> None:
         for setting in todo:
             print(f"== {setting['name']}", file=sys.stderr, flush=True)
             results["settings"][setting["name"]] = run_setting(setting)
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            JSON_PATH.write_text(json.dumps(results, indent=1, default=str) + "\n")
+            save_json(JSON_PATH, results, sort_keys=False, default=str, newline=True)
     write_report(results)
 
 

@@ -28,15 +28,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import platform
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
-from .common import RESULTS, ROOT, log
+from .common import RESULTS, ROOT, load_json, log, machine, save_json
 
 OUT_JSON = RESULTS / "gguf_llama_cpp.json"
 OUT_MD = RESULTS / "gguf_llama_cpp.md"
@@ -46,22 +43,19 @@ SOURCE_CACHE = 2 * 3 * 64  # SmolLM2-135M: K and V of 3 KV heads x 64
 LAYERS = 30
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def load_results() -> dict:
-    return json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {}
-
-
-def save_results(update: dict) -> None:
-    data = load_results()
+def record(update: dict) -> None:
+    """Merge `update` into the results file one level deep (a section's other entries stay)."""
+    data = load_json(OUT_JSON)
     for key, value in update.items():
         data.setdefault(key, {}).update(value) if isinstance(value, dict) else data.__setitem__(key, value)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    OUT_JSON.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    save_json(OUT_JSON, data, indent=2, newline=True)
+
+
+def machine_text(m: dict, cores: bool = True) -> str:
+    """A machine record for the report: common.machine's, or the older {cpu, cores} one."""
+    if "machine" in m:
+        return m["machine"]
+    return f"{m.get('cpu')}, {m.get('cores')} cores" if cores else f"{m.get('cpu')}"
 
 
 def transmla(*args: str) -> None:
@@ -132,7 +126,7 @@ def phase_ppl(work: Path, windows: int) -> None:
             "transmla_eval": ours_all.perplexity, "scored_tokens_transmla_eval": ours_all.tokens,
         }
         log(f"{name}: llama.cpp {llama_ppl:.4f}, ours (same windows) {ours_half.perplexity:.4f}, transmla eval {ours_all.perplexity:.4f}")
-        save_results({"perplexity": {name: rows[name]}, "perplexity_machine": machine()})
+        record({"perplexity": {name: rows[name]}, "perplexity_machine": machine()})
 
 
 def weight_bytes_per_step(path: Path) -> int:
@@ -198,24 +192,24 @@ def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list
     for t in types:
         for name in ["source", *(f"transmla-{b}" for b in budgets)]:
             path = gguf_path(work, name, t)
-            done = load_results().get("speed", {}).get(f"{name}-{t}", {})
+            done = load_json(OUT_JSON).get("speed", {}).get(f"{name}-{t}", {})
             todo = [d for d in depths if str(d) not in done]
             if not todo:
                 continue
-            before = machine()
-            log(f"llama-bench {path.name} depths {todo} (load {before['load_average']})")
+            before = os.getloadavg()
+            log(f"llama-bench {path.name} depths {todo} (load {before})")
             rows = {}
             for record in llama_bench([path], todo, n_gen, reps, threads, flash_attn):
                 samples = record["samples_ts"]
                 rows[str(record["n_depth"])] = {
                     "median_tps": statistics.median(samples), "min_tps": min(samples), "max_tps": max(samples),
                     "samples_tps": samples, "n_gen": n_gen, "threads": threads, "flash_attn": flash_attn, "type_k": record.get("type_k"),
-                    "load_before": before["load_average"], "load_after": os.getloadavg(),
+                    "load_before": before, "load_after": os.getloadavg(),
                 }
             entry = {"weight_type": t, "weight_bytes_per_step": weight_bytes_per_step(path),
                      "weight_macs_per_step": weight_elements_per_step(path), "attention": attention_shape(path),
                      "cache_elements_per_token_layer": cache_elements(path), **done, **rows}
-            save_results({"speed": {f"{name}-{t}": entry}, "speed_machine": machine()})
+            record({"speed": {f"{name}-{t}": entry}, "speed_machine": machine()})
 
 
 def kv_mib(elements: int, depth: int) -> float:
@@ -234,7 +228,7 @@ def ideal_speedups(src: dict, entry: dict, depth: int) -> tuple[float, float]:
 
 
 def phase_report() -> None:
-    data = load_results()
+    data = load_json(OUT_JSON)
     lines = ["# SmolLM2-135M conversions in llama.cpp (GGUF, deepseek2)", ""]
     lines += ["Made by `python -m benchmarks.gguf_llama_cpp` (see its docstring for the protocol); llama.cpp "
               "as vendored by llama-cpp-python 0.3.36, built by `make llama-cpp`.", ""]
@@ -246,7 +240,7 @@ def phase_report() -> None:
                   "llama.cpp scores the second half of each window; `ours` is our native MLA model "
                   "(fp32) on those windows and tokens; `transmla eval` scores every token but the "
                   "first of each window (our published protocol). Machine: "
-                  f"{m.get('cpu')}, load {m.get('load_average')}.", "",
+                  f"{machine_text(m, cores=False)}, load {m.get('load_average')}.", "",
                   "| model | same tokens | llama-perplexity | ours, same windows | difference | transmla eval |",
                   "|---|---|---|---|---|---|"]
         for name, r in sorted(data["perplexity"].items(), key=lambda kv: -kv[1]["kv_budget"]):
@@ -258,7 +252,7 @@ def phase_report() -> None:
         speed = data["speed"]
         m = data.get("speed_machine", {})
         lines += ["## Decode speed (llama-bench) and KV cache against the GQA source", "",
-                  f"Machine: {m.get('cpu')}, {m.get('cores')} cores; load average before each row in the "
+                  f"Machine: {machine_text(m)}; load average before each row in the "
                   "JSON. tokens/s median (min) over the repetitions; flash attention on (without it llama.cpp "
                   "copies the transposed latent cache every step); KV cache f16, MiB at that depth from the "
                   "cache widths (llama.cpp's own report is checked equal to this in tests/test_export_gguf.py). "

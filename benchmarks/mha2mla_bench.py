@@ -35,7 +35,7 @@ from dataclasses import replace
 
 import torch
 
-from .common import RESULTS, log, machine
+from .common import RESULTS, load_json, log, machine, save_json
 
 JSON_PATH = RESULTS / "mha2mla_smollm2.json"
 MD_PATH = RESULTS / "mha2mla_smollm2.md"
@@ -63,19 +63,6 @@ def key(model: str, budget: float, select: str, svd: str, weighting: str, pairs:
     return f"{model}|{budget}|{select}|{svd}|{weighting}|P{pairs}"
 
 
-def load_results() -> dict:
-    if JSON_PATH.is_file():
-        return json.loads(JSON_PATH.read_text())
-    return {}
-
-
-def save_results(data: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = JSON_PATH.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    tmp.replace(JSON_PATH)
-
-
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -90,19 +77,19 @@ def main_run(args) -> None:
     from transmla.checkpoint.resolve import cache_root, load_config, load_model, resolve_model_dir
     from transmla.convert.assemble import assemble_model
     from transmla.convert.calibrate import LayerStats, collect_layer_stats
-    from transmla.convert.mha2mla.budget import mha2mla_budget
-    from transmla.convert.mha2mla.mha_copy import make_mha_copy
-    from transmla.convert.mha2mla.partial_rope import key_latent_dims, partial_rope, select_pairs
     from transmla.convert.layers import source_layers
-    from transmla.convert.replicate import replicate
-    from transmla.convert.mha2mla.svd import apply_factors, latent_spectrum, split_latent
+    from transmla.convert.mha2mla.budget import mha2mla_budget
+    from transmla.convert.mha2mla.method import MHA2MLAOptions
+    from transmla.convert.mha2mla.mha_copy import make_mha_copy
+    from transmla.convert.registry import get_method
     from transmla.data.calib import calibration_chunks
     from transmla.data.texts import load_text
     from transmla.eval.perplexity import perplexity, tokenize_text
     from transmla.families import attention_geometry
 
     torch.set_num_threads(args.threads)
-    data = load_results()
+    method = get_method("mha2mla")
+    data = load_json(JSON_PATH)
     data.setdefault("settings", {})
     data["meta"] = {
         **machine(),
@@ -141,7 +128,7 @@ def main_run(args) -> None:
     if tag not in source:
         model, _ = load_model(gqa_dir)
         source[tag] = evaluate(model)
-        save_results(data)
+        save_json(JSON_PATH, data, newline=True)
         log(f"source ({tag} windows): {source[tag]}")
         del model
     if "mha_copy_check" not in data:
@@ -151,7 +138,7 @@ def main_run(args) -> None:
         with torch.inference_mode():
             diff = (a(ids).logits - b(ids).logits).abs().max().item()
         data["mha_copy_check"] = {"max_abs_logit_diff_first_window": diff, "kv_heads": b.config.num_key_value_heads}
-        save_results(data)
+        save_json(JSON_PATH, data, newline=True)
         log(f"MHA copy check: {data['mha_copy_check']}")
         del a, b
 
@@ -166,7 +153,7 @@ def main_run(args) -> None:
         data["calibration_seconds"] = round(time.time() - t, 1)
         stats_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save([s.__dict__ for s in stats], stats_path)
-        save_results(data)
+        save_json(JSON_PATH, data, newline=True)
         log(f"calibration statistics collected in {data['calibration_seconds']} s")
     group = attention_geometry(config).group_size
     # MHA copy: same attention inputs, same queries; key head h is GQA key head h // n.
@@ -192,7 +179,7 @@ def main_run(args) -> None:
                 same = twin(data, model_name, select, svd, weighting, P, R)
                 if same is not None and complete(data["settings"][same]) and data.get("same_function_check", {}).get("verified"):
                     data["settings"][k] = {**data["settings"][same], "model": model_name, "budget": budget, "same_as": same}
-                    save_results(data)
+                    save_json(JSON_PATH, data, newline=True)
                     log(f"{k}: same function as {same}, reused")
                     continue
                 todo.append((budget, P, R, k))
@@ -202,20 +189,18 @@ def main_run(args) -> None:
             built = {}
             for P in sorted({P for _, P, _, _ in todo}):
                 items = [(b, R, k) for b, p, R, k in todo if p == P]
+                ranks = [R for _, R, _ in items]
+                # The method's plan for this setting; one SVD per layer serves every budget's rank
+                # (MHA2MLA.convert_layer_at_ranks: each result is convert_layer at that rank).
+                plan = method.plan(geo, MHA2MLAOptions(kv_lora_rank=ranks[0], rope_pairs=P, rope_select=select,
+                                                       svd=svd, svd_weighting=weighting))
                 layers = {k: [] for _, _, k in items}
                 pair_info = []
                 for src, st in zip(sources, layer_stats):
-                    pairs = select_pairs(select, geo.num_kv_heads, geo.head_dim, P, st.q_pair_norm, st.k_pair_norm)
-                    pair_info.append(pairs.tolist())
-                    layer = partial_rope(replicate(src), pairs, geo.num_heads, geo.head_dim)
-                    w, b = split_latent(layer)
-                    spec = latent_spectrum(
-                        w, b, key_latent_dims(geo.num_kv_heads, geo.head_dim, P), svd,
-                        st.gram if weighting == "activation" else None,
-                    )
-                    for _, R, k in items:
-                        f = spec.truncate(R)
-                        layers[k].append((apply_factors(layer, f), f.ranks))
+                    converted = method.convert_layer_at_ranks(plan, src, st, ranks)
+                    pair_info.append(converted[0][1]["pairs"])
+                    for (_, _, k), (layer, info) in zip(items, converted):
+                        layers[k].append((layer, (info["rank_k"], info["rank_v"]) if "rank_k" in info else None))
                 for budget, R, k in items:
                     built[k] = (budget, P, R, layers[k], pair_info)
             convert_s = round(time.time() - t0, 1)
@@ -244,7 +229,7 @@ def main_run(args) -> None:
                         ok = abs(a["perplexity"] - b["perplexity"]) <= 1e-3 * a["perplexity"]
                         data["same_function_check"] = {"mha": k, "gqa": same, "wiki": [a["perplexity"], b["perplexity"]], "verified": ok}
                         log(f"same-function check: {data['same_function_check']}")
-                save_results(data)
+                save_json(JSON_PATH, data, newline=True)
                 log(f"{k}: wiki {res['wiki']['perplexity']:.2f} lee {res['lee']['perplexity']:.2f} ({res['wiki']['windows']}/{res['lee']['windows']} windows)")
             write_report(data)
     write_report(data)
@@ -480,7 +465,7 @@ def main() -> None:
     args.models = args.models.split(",")
     args.strategies = args.strategies.split(",")
     if args.report:
-        write_report(load_results())
+        write_report(load_json(JSON_PATH))
     else:
         main_run(args)
 

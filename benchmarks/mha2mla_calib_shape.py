@@ -28,8 +28,8 @@ from transmla.convert.mha2mla.method import DEFAULT_CALIBRATION, MHA2MLAOptions
 from transmla.convert.registry import get_method
 from transmla.families import attention_geometry
 
-from .common import RESULTS, log, machine
-from .transmla_bench import Bench
+from .common import RESULTS, load_json, log, machine, save_json
+from .smollm2 import Bench
 
 SHAPES = [(64, 512), (512, 64), (2048, 16)]  # sequences x tokens: 32,768 tokens each
 BUDGETS = [0.5, 0.25, 0.125]
@@ -37,12 +37,6 @@ EARLIER_DEFAULT = "64x512"  # mha2mla's calibration default before this measurem
 TRANSMLA_DEFAULT = "activation-2048x16s0-original"  # the dev32 candidate that is TransMLA's CLI default
 JSON_PATH = RESULTS / "mha2mla_calib_shape.json"
 MD_PATH = RESULTS / "mha2mla_calib_shape.md"
-
-
-def stats_for(b: Bench, n: int, t: int) -> list[LayerStats]:
-    """Each layer's input gram under original propagation (shared with the TransMLA bench's cache);
-    the high selection reads no pair norms."""
-    return [LayerStats(gram=g, tokens=n * t) for g in b.original_grams(n, t, 0)]
 
 
 def cli_default_model(b: Bench, stats: list[LayerStats], budget: float):
@@ -55,21 +49,21 @@ def cli_default_model(b: Bench, stats: list[LayerStats], budget: float):
 
 
 def save(data: dict, name: str) -> None:
-    JSON_PATH.write_text(json.dumps(data, indent=1, sort_keys=True))
+    save_json(JSON_PATH, data)
     log(f"{name}: {data['results'][name]}")
 
 
 def run(threads: int) -> dict:
     torch.set_num_threads(threads)
     b = Bench()
-    data = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"results": {}}
+    data = load_json(JSON_PATH) or {"results": {}}
     data["meta"] = {**machine(), "threads": threads}
     tm = json.loads((RESULTS / "transmla_bench.json").read_text())["results"]  # dev32 numbers, same windows
     data["source"] = tm.get("dev32/source") or b.dev32_ppl(b.source_model())
     data["transmla_ours"] = {k: tm[f"dev32/{k}/{TRANSMLA_DEFAULT}"] for k in ("50%", "25%", "12.5%")
                              if f"dev32/{k}/{TRANSMLA_DEFAULT}" in tm}
     for n, t in SHAPES:
-        stats = stats_for(b, n, t)
+        stats = b.original_stats(n, t, 0)  # shared with the TransMLA bench's cache; high selection reads no pair norms
         overlap = b.dev_overlap(b.calib_ids(n, t, 0))
         for budget in BUDGETS:
             name = f"{budget}/{n}x{t}"
@@ -92,8 +86,8 @@ def final(threads: int, shape: tuple[int, int]) -> dict:
     64 x 512 numbers of the same setting in benchmarks/results/mha2mla_smollm2.json (same windows)."""
     torch.set_num_threads(threads)
     b = Bench()
-    data = json.loads(JSON_PATH.read_text())
-    stats = stats_for(b, *shape)
+    data = load_json(JSON_PATH)
+    stats = b.original_stats(*shape, 0)
     for budget in BUDGETS:
         name = f"final/{budget}/{shape[0]}x{shape[1]}"
         if name in data["results"]:
@@ -176,7 +170,7 @@ def main() -> None:
     parser.add_argument("--final", default=None, metavar="NxT", help="test perplexities of this calibration shape")
     args = parser.parse_args()
     if args.report:
-        data = json.loads(JSON_PATH.read_text())
+        data = load_json(JSON_PATH)
     elif args.final:
         data = final(args.threads, tuple(int(x) for x in args.final.split("x")))
     else:

@@ -76,7 +76,7 @@ def compute(methods: tuple[str, ...], budgets: tuple[float, ...], keep_models: b
 
     def evaluate(spec, text: str, measure: bool) -> dict:
         s = EvalSettings(data=text, max_windows=WINDOWS, measure_tokens=64 if measure else 0)
-        e = evaluate_model(spec, s, role="model").entry
+        e = evaluate_model(spec, s, role="model").entry.to_dict()
         keep = ("perplexity", "nll", "tokens", "windows", "kv_elements_per_token_per_layer", "kv_bytes_per_token",
                 "kv_lora_rank", "qk_rope_head_dim", "measured_cache", "eval_seconds", "eval_cpu_seconds")
         return {k: e.get(k) for k in keep}
@@ -99,7 +99,7 @@ def compute(methods: tuple[str, ...], budgets: tuple[float, ...], keep_models: b
                 "method": method, "budget": budget, "options": options.to_dict(),
                 "convert_seconds": time.perf_counter() - t0, "convert_cpu_seconds": time.process_time() - c0,
                 "kv_elements_per_token_per_layer": result.kv_elements_per_token_per_layer,
-                "kv_lora_rank": result.mla["kv_lora_rank"], "qk_rope_head_dim": result.mla["qk_rope_head_dim"],
+                "kv_lora_rank": result.mla.kv_lora_rank, "qk_rope_head_dim": result.mla.qk_rope_head_dim,
             }
             for text in TEXTS:
                 row[text] = evaluate(target, text, text == "wiki")

@@ -17,8 +17,11 @@ Published = TransMLA as the public code runs it: 128 x 256 calibration tokens (s
 RoRoPE calibrated on the original model, BKV-PCA calibrated on the partial-RoPE model, the
 same number of rope components in every fold group, the frequency rule w_(aF), w_(aF+c), ...,
 plain NoPE, uncentred PCA, freqfold 2 / 4 / 4 (the settings of the public numbers in ANCHORS.md).
-Ours = the defaults of `transmla convert --method transmla` (transmla_method.default_plan, the
-ConvertOptions calibration size and transmla_method.DEFAULT_PROPAGATE), chosen on dev32.
+Ours = the defaults of `transmla convert --method transmla` (transmla.convert.transmla.method's
+default_plan, and the method's default_calibration and default_propagate as CalibrationOptions
+resolves them), chosen on dev32. Every conversion goes through the method (registry.get_method,
+ConversionMethod.convert_layer, pipeline.LayerStream; benchmarks/smollm2.py) except the published
+two-stage path, which the method deliberately does not offer (Bench.layers_published).
 
 Writes benchmarks/results/transmla_bench.json, transmla_bench.md and transmla_ppl_vs_cache.png.
 Intermediate results are cached under $TRANSMLA_CACHE/bench-transmla (statistics and every
@@ -28,171 +31,40 @@ perplexity), so an interrupted run resumes.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import torch
 
 import transmla  # noqa: F401
-from transmla.checkpoint.resolve import cache_root, load_config, resolve_model_dir
-from transmla.convert.assemble import assemble_model
-from transmla.convert.calibrate import calibrated_layers, collect_layer_stats
-from transmla.convert.layers import source_layers
-from transmla.convert.transmla.method import TransMLAPlan, convert_layer, published_plan
-from transmla.data.calib import calibration_chunks
-from transmla.data.texts import load_text
-from transmla.eval.perplexity import perplexity, tokenize_text
+from transmla.convert.transmla.method import TransMLAPlan, published_plan
+from transmla.eval.perplexity import perplexity
 from transmla.families import attention_geometry
 
-from .common import RESULTS, ResultCache, log, machine
+from .common import RESULTS, machine
+from .smollm2 import (
+    BUDGETS,
+    CACHE,
+    DEV_WINDOWS,
+    MODEL,
+    PUBLISHED_CALIB,
+    SEQ,
+    Bench,
+    cli_defaults,
+    ours_layers,
+    ours_plan,
+    summarize_infos,
+)
 
-CACHE = cache_root() / "bench-transmla"
-MODEL = "smollm2-135m"
-SEQ = 512
-BUDGETS = {"50%": (128, 64, 2), "25%": (64, 32, 4), "12.5%": (32, 16, 4)}  # R, r, published freqfold
 ANCHOR_PUBLIC = {"source": 18.15, "50%": 33.18, "25%": 83.60, "12.5%": 258.71}  # ANCHORS.md, 32 windows
-PUBLISHED_CALIB = (128, 256, 42)
-DEV_WINDOWS = 16  # per text in the dev32 set
-
-
-class Bench:
-    def __init__(self) -> None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        self.src_dir = resolve_model_dir(MODEL)
-        self.config = load_config(self.src_dir)
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(self.src_dir))
-        self.sources = list(source_layers(self.src_dir, self.config))
-        self.cache = ResultCache(CACHE / "results.json")  # several bench processes may share it
-        self.results, self.cached, self.save = self.cache.results, self.cache.cached, self.cache.save
-        wiki_calib = tokenize_text(self.tok, load_text("wiki", "calib"))
-        self.dev_ids = wiki_calib[-8 * SEQ :]  # [4096]
-        self.dev_start = wiki_calib.numel() - 8 * SEQ
-        lee_calib = tokenize_text(self.tok, load_text("lee", "calib"))
-        # dev32: 16 windows from the end of the wiki calibration part and the first 16 of the lee
-        # calibration part (never used for calibration: the calibration text is wiki).
-        self.dev32_ids = {"wiki": wiki_calib[-DEV_WINDOWS * SEQ :], "lee": lee_calib[: DEV_WINDOWS * SEQ]}
-        # lee-64: the 64 lee windows after the dev ones (the lee evaluation part has only 29; no
-        # lee text is ever calibrated on, and these were not looked at while choosing).
-        self.lee64_ids = lee_calib[DEV_WINDOWS * SEQ : (DEV_WINDOWS + 64) * SEQ]
-        self.wiki = tokenize_text(self.tok, load_text("wiki", "eval"))
-        self.lee = tokenize_text(self.tok, load_text("lee", "eval"))
-
-    # -- calibration ---------------------------------------------------------------------------
-    def calib_ids(self, n: int, t: int, seed: int) -> torch.Tensor:
-        return calibration_chunks(self.tok, "wiki", n, t, seed)
-
-    def dev_overlap(self, ids: torch.Tensor) -> int:
-        """Calibration chunks that also appear in the dev windows (found by content)."""
-        dev = self.dev_ids.tolist()
-        dev_str = ",".join(map(str, dev))
-        return sum(",".join(map(str, row[:16].tolist())) in dev_str for row in ids)
-
-    def original_grams(self, n: int, t: int, seed: int) -> list[torch.Tensor]:
-        """Every layer's gram under original propagation (collect_layer_stats), cached on disk."""
-        path = CACHE / f"grams_original_{n}x{t}_s{seed}.pt"
-        if not path.exists():
-            log(f"collecting original-propagation statistics {n} x {t} (seed {seed})")
-            start = time.perf_counter()
-            stats = collect_layer_stats(self.src_dir, self.config, self.calib_ids(n, t, seed), progress=False)
-            torch.save({"grams": [s.gram for s in stats], "seconds": time.perf_counter() - start}, path)
-        return torch.load(path, weights_only=True)["grams"]
-
-    def published_pca_grams(self, budget: str) -> list[torch.Tensor]:
-        """The published second stage: grams of the partial-RoPE model (every layer after RoRoPE and
-        FreqFold, at full rank), the RoRoPE step itself calibrated on the original model."""
-        R, r, fold = BUDGETS[budget]
-        n, t, seed = PUBLISHED_CALIB
-        path = CACHE / f"grams_published_stage2_{budget[:-1]}_{n}x{t}_s{seed}.pt"
-        if not path.exists():
-            rope_grams = self.original_grams(n, t, seed)
-            plan = replace(published_plan(R, r, fold), kv_lora_rank=2 * 192 - r)  # full rank: partial RoPE
-            grams: list[torch.Tensor] = []
-
-            def partial(i, src, stats):
-                grams.append(stats.gram)
-                return convert_layer(src, rope_grams[i], plan)[0]
-
-            log(f"collecting published stage-2 statistics ({budget})")
-            for _ in calibrated_layers(self.src_dir, self.config, self.calib_ids(n, t, seed), partial,
-                                       propagate="converted", progress=False):
-                pass
-            torch.save({"grams": grams}, path)
-        return torch.load(path, weights_only=True)["grams"]
-
-    # -- conversions ---------------------------------------------------------------------------
-    def layers_original(self, plan: TransMLAPlan, grams, rope_grams=None):
-        out, infos = [], []
-        for i, src in enumerate(self.sources):
-            layer, info = convert_layer(src, grams[i], plan, rope_gram=None if rope_grams is None else rope_grams[i])
-            out.append(layer)
-            infos.append(info)
-        return out, infos
-
-    def layers_converted(self, plan: TransMLAPlan, ids: torch.Tensor):
-        infos = []
-
-        def conv(i, src, stats):
-            layer, info = convert_layer(src, stats.gram, plan)
-            infos.append(info)
-            return layer
-
-        layers = list(calibrated_layers(self.src_dir, self.config, ids, conv, propagate="converted", progress=False))
-        return layers, infos
-
-    def source_model(self):
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(str(self.src_dir), dtype=torch.float32).eval()
-
-    def model(self, layers):
-        return assemble_model(self.src_dir, self.config, layers, {"name": "transmla-bench"})
-
-    # -- perplexity ----------------------------------------------------------------------------
-    def dev_ppl(self, model) -> float:
-        return perplexity(model, self.dev_ids, SEQ, progress=False).perplexity
-
-    def dev32_ppl(self, model) -> dict:
-        """Perplexity on the dev32 windows: each text and both together (pooled NLL)."""
-        res = {name: perplexity(model, ids, SEQ, progress=False) for name, ids in self.dev32_ids.items()}
-        pooled = sum(r.nll * r.tokens for r in res.values()) / sum(r.tokens for r in res.values())
-        return {"ppl": math.exp(pooled), **{name: r.perplexity for name, r in res.items()}}
-
-    def final_ppl(self, model) -> dict:
-        a = perplexity(model, self.wiki[: 32 * SEQ], SEQ, max_windows=32, progress=False)
-        b = perplexity(model, self.wiki[32 * SEQ : 64 * SEQ], SEQ, max_windows=32, progress=False)
-        lee = perplexity(model, self.lee, SEQ, progress=False)
-        wiki64 = math.exp((a.nll * a.tokens + b.nll * b.tokens) / (a.tokens + b.tokens))
-        return {"wiki_test_64": wiki64, "wiki_test_32": a.perplexity, "lee_test": lee.perplexity,
-                "lee_windows": lee.windows, "wiki_tokens": a.tokens + b.tokens, "lee_tokens": lee.tokens}
-
-
-def summarize_infos(infos) -> dict:
-    folds = [i["freqfold"] for i in infos]
-    return {
-        "freqfold_per_layer": folds,
-        "mean_logit_error": sum(i["logit_error"] for i in infos) / len(infos),
-        "mean_pca_energy_kept": sum(i["pca_energy_kept"] for i in infos) / len(infos),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Phases
 # ---------------------------------------------------------------------------------------------
-
-
-def ours_plan(budget: str, **overrides) -> TransMLAPlan:
-    from transmla.convert.transmla.method import default_plan
-
-    R, r, _ = BUDGETS[budget]
-    return replace(default_plan(R, r), **overrides)
 
 
 def dev_plans(budget: str) -> dict[str, TransMLAPlan]:
@@ -216,12 +88,12 @@ def dev_plans(budget: str) -> dict[str, TransMLAPlan]:
 def phase_dev(b: Bench) -> None:
     """Open decisions, each measured on the dev windows (8 x 512 tokens of the wiki calibration part)."""
     n, t, seed = PUBLISHED_CALIB
-    pub_grams = b.original_grams(n, t, seed)
+    pub_stats = b.original_stats(n, t, seed)
     b.cached("dev/source", lambda: {"ppl": b.dev_ppl(b.source_model())})
     order = [(budget, name, plan) for budget in BUDGETS for name, plan in dev_plans(budget).items()]
     order.sort(key=lambda x: list(dev_plans(x[0])).index(x[1]))  # every budget for one choice, then the next
     for budget, name, plan in order:
-        b.cached(f"dev/{budget}/{name}", lambda: dev_entry(b, *b.layers_original(plan, pub_grams)))
+        b.cached(f"dev/{budget}/{name}", lambda: dev_entry(b, *b.layers_original(plan, pub_stats)))
 
 
 def dev_entry(b: Bench, layers, infos) -> dict:
@@ -231,39 +103,6 @@ def dev_entry(b: Bench, layers, infos) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Propagation and calibration size (on top of the best plan), then the final table
 # ---------------------------------------------------------------------------------------------
-
-
-def layers_cached(b: Bench, key: str, build):
-    """Converted layers kept on disk (a converted-propagation pass is the expensive part): tensors in
-    safetensors, the per-layer infos in JSON, so reading the cache never unpickles anything."""
-    from dataclasses import fields
-
-    from safetensors.torch import load_file, save_file
-
-    from transmla.convert.layers import MLALayer
-
-    stem = CACHE / f"layers_{key.replace('/', '_').replace('%', 'pct')}"
-    tensors_path, infos_path = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
-    if tensors_path.exists() and infos_path.exists():
-        tensors = load_file(str(tensors_path))
-        infos = json.loads(infos_path.read_text())["infos"]
-        layers = [MLALayer(**{f.name: tensors.get(f"{i}.{f.name}") for f in fields(MLALayer)}) for i in range(len(infos))]
-        return layers, infos
-    start = time.perf_counter()
-    layers, infos = build()
-    flat = {f"{i}.{k}": v.contiguous() for i, layer in enumerate(layers) for k, v in layer.__dict__.items() if v is not None}
-    save_file(flat, str(tensors_path))
-    infos_path.write_text(json.dumps({"infos": infos, "seconds": time.perf_counter() - start}, default=float))
-    return layers, infos
-
-
-def ours_layers(b: Bench, budget: str, calib: tuple[int, int, int], propagate: str, **overrides):
-    plan = ours_plan(budget, **overrides)
-    tag = hashlib.sha1(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()[:8]  # cached layers follow the plan
-    key = f"{budget}_{calib[0]}x{calib[1]}_s{calib[2]}_{propagate}_{tag}"
-    if propagate == "original":
-        return layers_cached(b, key, lambda: b.layers_original(plan, b.original_grams(*calib)))
-    return layers_cached(b, key, lambda: b.layers_converted(plan, b.calib_ids(*calib)))
 
 
 # Candidates on the dev32 windows at every budget: (calibration, propagation, plan overrides).
@@ -313,21 +152,12 @@ def phase_dev32(b: Bench, only: str | None = None) -> None:
         pub = published_plan(R, r, fold)
         if only in (None, "published"):
             b.cached(f"dev32/{budget}/published", lambda: b.dev32_ppl(b.model(
-                b.layers_original(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])))
+                b.layers_published(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])))
         for name, (calib, propagate, overrides) in DEV32_CANDIDATES.items():
             if only is None or only == name:
                 b.cached(f"dev32/{budget}/{name}", lambda: {
                     **b.dev32_ppl(b.model(ours_layers(b, budget, calib, propagate, **overrides)[0])),
                     "calibration": list(calib), "propagation": propagate, **overrides})
-
-
-def cli_defaults() -> tuple[tuple[int, int, int], str]:
-    """The calibration (samples, tokens, seed) and propagation `transmla convert` uses by default."""
-    from transmla.convert.options import CalibrationOptions
-    from transmla.convert.registry import get_method
-
-    method, o = get_method("transmla"), CalibrationOptions()
-    return (*o.size(method.default_calibration), o.seed), o.propagate or method.default_propagate
 
 
 def phase_final(b: Bench, only: str | None = None) -> None:
@@ -340,7 +170,7 @@ def phase_final(b: Bench, only: str | None = None) -> None:
             continue
         pub = published_plan(R, r, fold)
         b.cached(f"final/{budget}/published", lambda: {
-            **b.final_ppl(b.model(b.layers_original(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])),
+            **b.final_ppl(b.model(b.layers_published(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])),
             "plan": pub.to_dict(), "calibration": list(PUBLISHED_CALIB), "propagation": "original (RoRoPE) + partial-RoPE (PCA)"})
         b.cached(f"final/{budget}/ours", lambda: {
             **b.final_ppl(b.model(ours_layers(b, budget, calib, propagate)[0])),
@@ -360,7 +190,7 @@ def phase_lee64(b: Bench, only: str | None = None) -> None:
             continue
         pub = published_plan(R, r, fold)
         b.cached(f"lee64/{budget}/published", lambda: lee64(b.model(
-            b.layers_original(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])))
+            b.layers_published(pub, b.published_pca_grams(budget), b.original_grams(n, t, seed))[0])))
         b.cached(f"lee64/{budget}/ours", lambda: lee64(b.model(ours_layers(b, budget, calib, propagate)[0])))
 
 

@@ -369,6 +369,33 @@ def test_method_layer_matches_settings(tiny_factory):
         mha2mla_layer(src, MHA2MLASettings(shape, "2norm"))
 
 
+def test_convert_layer_at_ranks_is_convert_layer_at_each_rank(tiny_factory):
+    """The benchmarks' shortcut (one SVD truncated to several ranks) gives, bit for bit, what
+    convert_layer gives at each rank."""
+    from dataclasses import fields, replace
+
+    from transmla.convert.calibrate import LayerStats
+    from transmla.convert.layers import MLALayer
+
+    _, path = tiny_factory("llama", bias=True)
+    config, src = _layer0(path)
+    x = _anisotropic_inputs(src.geometry.hidden_size)
+    g = src.geometry
+    stats = LayerStats(gram=_gram(x), tokens=x.shape[0], q_pair_norm=torch.rand(g.num_heads, g.head_dim // 2),
+                       k_pair_norm=torch.rand(g.num_kv_heads, g.head_dim // 2))
+    method = get_method("mha2mla")
+    for select, svd, weighting in (("2norm", "joint", "activation"), ("high", "split", "none")):
+        options = get_method("mha2mla").Options(kv_lora_rank=4, rope_pairs=1, rope_select=select, svd=svd, svd_weighting=weighting)
+        plan = method.plan(attention_geometry(config), options)
+        ranks = [4, 9, 2]
+        for rank, (layer, info) in zip(ranks, method.convert_layer_at_ranks(plan, src, stats, ranks)):
+            one, one_info = method.convert_layer(replace(plan, shape=replace(plan.shape, kv_lora_rank=rank)), src, stats)
+            assert info == one_info
+            for f in fields(MLALayer):
+                a, b = getattr(layer, f.name), getattr(one, f.name)
+                assert (a is None and b is None) or torch.equal(a, b), f.name
+
+
 # -- MHA copy -------------------------------------------------------------------------------------------
 
 

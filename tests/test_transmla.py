@@ -98,7 +98,7 @@ def test_lossy_conversion_loads_and_shrinks(tiny_factory, tmp_path, family, kw):
     source, path = tiny_factory(family, **kw)
     plan = TransMLAPlan(kv_lora_rank=6, rope_dim=4, freqfold="auto", centre=True)
     model, result, meta = _convert_files(path, tmp_path / "out", plan, propagate="converted")
-    assert result.kv_elements_per_token_per_layer == 10 and result.mla["qk_nope_head_dim"] == D_HEAD
+    assert result.kv_elements_per_token_per_layer == 10 and result.mla.qk_nope_head_dim == D_HEAD
     assert {info["freqfold"] for info in meta["layers"]} <= set(fold_candidates(D_HEAD, 2, "uniform"))
     x = _ids(3)
     logits = model(x).logits

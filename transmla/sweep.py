@@ -12,20 +12,22 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from .checkpoint.files import refuse_symlinks
 from .convert.api import convert as api_convert
 from .convert.options import COMMON_SCHEMAS, ConvertOptions
-from .convert.registry import get_method
+from .convert.registry import budget_methods, get_method
+from .mla.config import MLAConfig
 from .eval import report as rep
 from .eval.evaluate import evaluate_model
+from .eval.measured_cache import MeasuredCache
 from .eval.settings import EvalSettings
 from .progress import progress_bar, stderr_console
 
-__all__ = ["options_for", "parse_budgets", "sweep", "write_sweep"]
+__all__ = ["SweepRow", "options_for", "parse_budgets", "sweep", "write_sweep"]
 
 
 def parse_budgets(text: str | Sequence[float]) -> list[float]:
@@ -74,6 +76,38 @@ def options_for(method: str, budget: float, overrides: Mapping[str, Any] | None 
     return ConvertOptions.of(method, kv_budget=budget, force=True, **method_overrides(method, overrides or {}))
 
 
+@dataclass
+class SweepRow:
+    """One converted model of a sweep; a dict (to_dict, sweep.json's key order) only when written."""
+
+    method: str
+    setting: str  # non-default method settings, "" for the defaults
+    budget: float
+    kv_elements_per_token_per_layer: int
+    cache_fraction: float
+    kv_lora_rank: int | None
+    qk_rope_head_dim: int | None
+    perplexity: float
+    nll: float
+    tokens: int
+    perplexity_change: float
+    kv_bytes_per_token: int
+    kv_bytes_at_context: int | None
+    measured_cache: MeasuredCache | None
+    convert_seconds: float
+    convert_cpu_seconds: float
+    eval_seconds: float | None
+    eval_cpu_seconds: float | None
+    model_dir: str | None
+    conversion: dict[str, Any] | None  # _conversion_meta
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.measured_cache is not None:
+            out["measured_cache"] = self.measured_cache.to_dict()
+        return out
+
+
 def sweep(
     source: str,
     methods: Sequence[str],
@@ -100,8 +134,8 @@ def sweep(
         raise ValueError("give at least one method")
     for m in methods:
         get_method(m)  # unknown names fail before any work
-        if m == "lossless":
-            raise ValueError("the lossless method has no budget to sweep (it keeps the whole cache)")
+        if m not in budget_methods():
+            raise ValueError(f"the {m} method has no budget to sweep (it keeps the whole cache)")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
@@ -125,7 +159,7 @@ def sweep(
         "dtype": settings.dtype,
         "calibration": calib_text + " (used by the settings that calibrate)",
         "convert_options": overrides,
-        "source": src.entry,
+        "source": src.entry.to_dict(),
         "rows": [],
         "settings": settings.to_dict(),
         "environment": rep.environment(),
@@ -142,35 +176,35 @@ def sweep(
         convert_seconds, convert_cpu = time.perf_counter() - start, time.process_time() - cpu
         ev = evaluate_model(target, settings, role="converted", ids=src.ids)
         e = ev.entry
-        row = {
-            "method": method,
-            "setting": _setting_label(method, overrides),
-            "budget": budget,
-            "kv_elements_per_token_per_layer": e["kv_elements_per_token_per_layer"],
-            "cache_fraction": e["kv_elements_per_token_per_layer"] / src.entry["kv_elements_per_token_per_layer"],
-            "kv_lora_rank": e.get("kv_lora_rank"),
-            "qk_rope_head_dim": e.get("qk_rope_head_dim"),
-            "perplexity": e["perplexity"],
-            "nll": e["nll"],
-            "tokens": e["tokens"],
-            "perplexity_change": e["perplexity"] - src.entry["perplexity"],
-            "kv_bytes_per_token": e["kv_bytes_per_token"],
-            "kv_bytes_at_context": e.get("kv_bytes_at_context"),
-            "measured_cache": e.get("measured_cache"),
-            "convert_seconds": convert_seconds,
-            "convert_cpu_seconds": convert_cpu,
-            "eval_seconds": e.get("eval_seconds"),
-            "eval_cpu_seconds": e.get("eval_cpu_seconds"),
-            "model_dir": str(target) if keep else None,
-            "conversion": _conversion_meta(converted),
-        }
-        result["rows"].append(row)
+        row = SweepRow(
+            method=method,
+            setting=_setting_label(method, overrides),
+            budget=budget,
+            kv_elements_per_token_per_layer=e.kv_elements_per_token_per_layer,
+            cache_fraction=e.kv_elements_per_token_per_layer / src.entry.kv_elements_per_token_per_layer,
+            kv_lora_rank=e.kv_lora_rank,
+            qk_rope_head_dim=e.qk_rope_head_dim,
+            perplexity=e.perplexity,
+            nll=e.nll,
+            tokens=e.tokens,
+            perplexity_change=e.perplexity - src.entry.perplexity,
+            kv_bytes_per_token=e.kv_bytes_per_token,
+            kv_bytes_at_context=e.kv_bytes_at_context,
+            measured_cache=e.measured_cache,
+            convert_seconds=convert_seconds,
+            convert_cpu_seconds=convert_cpu,
+            eval_seconds=e.eval_seconds,
+            eval_cpu_seconds=e.eval_cpu_seconds,
+            model_dir=str(target) if keep else None,
+            conversion=_conversion_meta(converted),
+        )
+        result["rows"].append(row.to_dict())
         if not keep:
             shutil.rmtree(target, ignore_errors=True)
         rep.write_json(result, out_dir / "sweep.json")  # partial results survive an interruption
         stderr_console.print(
-            f"[bold]sweep[/bold]: {method} {budget:g}: {row['kv_elements_per_token_per_layer']} elements/token/layer, "
-            f"perplexity {row['perplexity']:.2f} (source {src.entry['perplexity']:.2f})"
+            f"[bold]sweep[/bold]: {method} {budget:g}: {row.kv_elements_per_token_per_layer} elements/token/layer, "
+            f"perplexity {row.perplexity:.2f} (source {src.entry.perplexity:.2f})"
         )
     if models_dir.is_dir() and not any(models_dir.iterdir()):
         models_dir.rmdir()
@@ -187,11 +221,10 @@ def _conversion_meta(converted: Any) -> dict[str, Any] | None:
         if hasattr(converted, key):
             out[key] = getattr(converted, key)
     mla = getattr(converted, "mla", None)
-    if isinstance(mla, Mapping):
-        out.update({k: mla[k] for k in ("kv_lora_rank", "qk_rope_head_dim") if k in mla})
-        method = mla.get("method")
-        if isinstance(method, Mapping):  # the method's description, without per-layer detail
-            out["method_meta"] = {k: v for k, v in method.items() if k not in ("layers", "options")}
+    if isinstance(mla, MLAConfig):
+        out.update(kv_lora_rank=mla.kv_lora_rank, qk_rope_head_dim=mla.qk_rope_head_dim)
+        if isinstance(mla.method, Mapping):  # the method's description, without per-layer detail
+            out["method_meta"] = {k: v for k, v in mla.method.items() if k not in ("layers", "options")}
     return out
 
 

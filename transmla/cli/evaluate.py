@@ -45,16 +45,16 @@ def evaluate(
         "model": model,
         "data": data,
         **evaluated[-1].ppl.to_dict(),
-        "kv_elements_per_token_per_layer": entry["kv_elements_per_token_per_layer"],
-        "kv_bytes_per_token": entry["kv_bytes_per_token"],
-        "attention": entry["attention"],
+        "kv_elements_per_token_per_layer": entry.kv_elements_per_token_per_layer,
+        "kv_bytes_per_token": entry.kv_bytes_per_token,
+        "attention": entry.attention,
         "context": context,
-        "kv_bytes_at_context": entry["kv_bytes_at_context"],
+        "kv_bytes_at_context": entry.kv_bytes_at_context,
     }
-    if entry.get("measured_cache"):
-        flat["measured_cache"] = entry["measured_cache"]
+    if entry.measured_cache is not None:
+        flat["measured_cache"] = entry.measured_cache.to_dict()
     if compare:
-        flat["source"] = evaluated[0].entry
+        flat["source"] = evaluated[0].entry.to_dict()
         flat["comparison"] = result["comparison"]
     if files:
         flat["report_files"] = {k: str(v) for k, v in files.items()}

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..convert.options import CalibrationOptions
-from ..convert.registry import METHODS
+from ..convert.registry import METHODS, budget_methods
 from ..eval.settings import EvalSettings
 from ..progress import stderr_console
 from ..sweep import SHAPE_SETTINGS, parse_budgets
@@ -18,12 +18,13 @@ from .common import JsonFlag, emit, stdout
 from .options import given, merge_flags, schema_flags, with_flags
 
 Opt = typer.Option
+METHOD_HELP = " | ".join(budget_methods()) + ", or several comma-separated (one line each)."
 
 
 def sweep(
     source: Annotated[str, typer.Argument(help="Local HF folder, .gguf file, hub id, or a built-in name (smollm2-135m, qwen2.5-coder-1.5b).")],
     out: Annotated[Path, Opt("--out", help="Folder for sweep.json, sweep.md, sweep.png (and models/ with --keep).")],
-    method: Annotated[str, Opt(help="transmla | mha2mla, or both comma-separated (one line each).")] = "transmla",
+    method: Annotated[str, Opt(help=METHOD_HELP)] = "transmla",
     budgets: Annotated[str, Opt(help="Fractions of the source KV cache, comma-separated.")] = "0.5,0.25,0.125",
     keep: Annotated[bool, Opt("--keep", help="Keep the converted models under OUT/models/.")] = False,
     *,

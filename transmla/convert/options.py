@@ -136,8 +136,7 @@ class ConvertOptions:
             schema = next((s for s in parts if key in {f.name for f in fields(s)}), None)
             if schema is None:
                 if key in method_field_names():
-                    whole = " (it keeps the whole cache); use method transmla or mha2mla to shrink the cache" if method == "lossless" else ""
-                    raise ValueError(f"{key} does not apply to method {method}{whole}")
+                    raise ValueError(f"{key} does not apply to method {method}{_no_budget_hint(method)}")
                 raise ValueError(f"unknown conversion setting {key}")
             parts[schema][key] = value
         return cls(
@@ -148,6 +147,16 @@ class ConvertOptions:
     def to_dict(self) -> dict:
         """Flat: the method, its settings and the common ones (what of() takes back)."""
         return {"method": self.method, **asdict(self.settings), **asdict(self.calibration), **asdict(self.output)}
+
+
+def _no_budget_hint(method: str) -> str:
+    """For a method that keeps the whole cache: which methods shrink it (from the registry)."""
+    from .registry import budget_methods
+
+    shrinking = budget_methods()
+    if method in shrinking:
+        return ""
+    return f" (it keeps the whole cache); use method {' or '.join(shrinking)} to shrink the cache"
 
 
 def method_field_names() -> set[str]:

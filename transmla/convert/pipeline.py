@@ -20,6 +20,7 @@ from ..checkpoint.reader import SafetensorsReader
 from ..checkpoint.writer import ShardedWriter, atomic_output_dir
 from ..dtypes import torch_dtype
 from ..families import attention_geometry, family_for
+from ..mla.config import MLAConfig
 from ..mla.model import mla_config_for
 from ..progress import progress_bar
 from .assemble import mla_config
@@ -34,7 +35,7 @@ class ConvertResult:
     output: str
     method: str
     num_layers: int
-    mla: dict
+    mla: MLAConfig  # config.json's "mla" block
     source_kv_elements_per_token_per_layer: int
     kv_elements_per_token_per_layer: int
     files: list[str] = field(default_factory=list)
@@ -108,12 +109,18 @@ class LayerStream:
 
     def record(self) -> dict:
         """The method's part of config.json's "mla.method" block."""
-        meta = {"name": self.method.name, **self.method.describe(self.plan)}
-        if any(self.infos):
-            meta["layers"] = self.infos
-        if self.calibration is not None:
-            meta["calibration"] = self.calibration
-        return meta
+        return method_record(self.method, self.plan, self.infos, self.calibration)
+
+
+def method_record(method: ConversionMethod, plan, infos: list[dict] = (), calibration: dict | None = None) -> dict:
+    """config.json's "mla.method" block (the method's part) for layers converted by `method` with
+    `plan`: its name, its description of the plan, each layer's info and the calibration record."""
+    meta = {"name": method.name, **method.describe(plan)}
+    if any(infos):
+        meta["layers"] = list(infos)
+    if calibration is not None:
+        meta["calibration"] = calibration
+    return meta
 
 
 def _shape_signature(layer: MLALayer) -> dict[str, tuple | None]:
@@ -172,7 +179,7 @@ def write_mla_checkpoint(
         output=str(output),
         method=method.get("name", "?"),
         num_layers=geo.num_layers,
-        mla=mla.to_dict(),
+        mla=mla,
         source_kv_elements_per_token_per_layer=geo.kv_elements_per_token_per_layer,
         kv_elements_per_token_per_layer=mla.kv_elements_per_token_per_layer,
         files=files,

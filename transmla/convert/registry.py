@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from .lossless.method import Lossless
 from .method import ConversionMethod
 from .mha2mla.method import MHA2MLA
@@ -16,4 +18,9 @@ def get_method(name: str) -> ConversionMethod:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "get_method"]
+def budget_methods() -> list[str]:
+    """The methods that shrink the cache to a budget (their Options take kv_budget), by name."""
+    return [name for name, m in METHODS.items() if "kv_budget" in {f.name for f in fields(m.Options)}]
+
+
+__all__ = ["METHODS", "budget_methods", "get_method"]

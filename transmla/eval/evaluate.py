@@ -26,7 +26,7 @@ __all__ = ["EvalSettings", "Evaluated", "compare_report", "evaluate_model"]
 
 @dataclass
 class Evaluated:
-    entry: dict[str, Any]  # report.model_entry
+    entry: rep.ModelEntry  # a dict only when written (to_dict)
     ids: torch.Tensor  # [N] the evaluation tokens
     ppl: PerplexityResult  # a dict only when written (to_dict)
 
@@ -64,9 +64,9 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
             measured = measure_cache(net, prompt, settings.measure_tokens)
         kv = kv_summary(net.config, dtype, settings.context)
         entry = rep.model_entry(str(spec), role, kv, result, measured, seconds)
-        entry["eval_cpu_seconds"] = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
+        entry.eval_cpu_seconds = cpu_seconds  # all threads of this process; wall time is inflated on a shared CPU
         if kv.method is None and kv.attention == "MLA":
-            entry["method"] = "mla"
+            entry.method = "mla"
         return Evaluated(entry, own, result)
     finally:
         del net
@@ -75,7 +75,7 @@ def evaluate_model(spec: str | Path, settings: EvalSettings, role: str = "model"
 
 def compare_report(evaluated: Sequence[Evaluated], settings: EvalSettings, command: str | None = None) -> dict[str, Any]:
     """The report of one or two models (the source first when comparing), one protocol."""
-    models = [e.entry for e in evaluated]
+    models = [e.entry.to_dict() for e in evaluated]
     report: dict[str, Any] = {
         "protocol": rep.protocol_info(evaluated[0].ppl, settings.data, settings.text_field),
         "context": settings.context,

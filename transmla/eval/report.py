@@ -22,8 +22,9 @@ import platform
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # annotations only: the report module imports no torch
     from .kv import KVSummary
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # annotations only: the report module imports no torch
 
 __all__ = [
     "MIB",
+    "ModelEntry",
     "compare_rows",
     "environment",
     "format_bytes",
@@ -111,6 +113,46 @@ def describe_data(data: str) -> str:
     return repr(data)
 
 
+@dataclass
+class ModelEntry:
+    """One model's line of a report; a dict (to_dict, the key order of report.json) only when written."""
+
+    model: str
+    role: str
+    attention: str
+    method: str | None
+    layers: int
+    perplexity: float
+    nll: float
+    tokens: int
+    windows: int
+    cache_dtype: str
+    kv_elements_per_token_per_layer: int
+    kv_bytes_per_token_per_layer: int
+    kv_bytes_per_token: int
+    context: int | None
+    kv_bytes_at_context: int | None
+    # MLA / source geometry: written only when known
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    measured_cache: MeasuredCache | None = None
+    eval_seconds: float | None = None
+    eval_cpu_seconds: float | None = None  # all threads of the process; written only when measured
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("kv_lora_rank", "qk_rope_head_dim", "kv_heads", "head_dim", "eval_cpu_seconds")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OPTIONAL:
+                continue
+            out[f.name] = value.to_dict() if f.name == "measured_cache" and value is not None else value
+        return out
+
+
 def model_entry(
     spec: str,
     role: str,
@@ -118,33 +160,30 @@ def model_entry(
     ppl: PerplexityResult,
     measured: MeasuredCache | None = None,
     eval_seconds: float | None = None,
-) -> dict[str, Any]:
-    """One model's line of a report (as written to JSON): perplexity, KV accounting
-    (``kv_summary(config, dtype, context)``) and, if measured, the cache after generation."""
+) -> ModelEntry:
+    """One model's line of a report: perplexity, KV accounting (``kv_summary(config, dtype, context)``)
+    and, if measured, the cache after generation."""
     kv = kv.to_dict()
-    entry: dict[str, Any] = {
-        "model": spec,
-        "role": role,
-        "attention": kv["attention"],
-        "method": kv.get("method"),
-        "layers": kv["layers"],
-        "perplexity": ppl.perplexity,
-        "nll": ppl.nll,
-        "tokens": ppl.tokens,
-        "windows": ppl.windows,
-        "cache_dtype": kv["cache_dtype"],
-        "kv_elements_per_token_per_layer": kv["kv_elements_per_token_per_layer"],
-        "kv_bytes_per_token_per_layer": kv["kv_bytes_per_token_per_layer"],
-        "kv_bytes_per_token": kv["kv_bytes_per_token"],
-        "context": kv.get("context"),
-        "kv_bytes_at_context": kv.get("kv_bytes_at_context"),
-    }
-    for key in ("kv_lora_rank", "qk_rope_head_dim", "kv_heads", "head_dim"):
-        if kv.get(key) is not None:
-            entry[key] = kv[key]
-    entry["measured_cache"] = measured.to_dict() if measured is not None else None
-    entry["eval_seconds"] = eval_seconds
-    return entry
+    return ModelEntry(
+        model=spec,
+        role=role,
+        attention=kv["attention"],
+        method=kv.get("method"),
+        layers=kv["layers"],
+        perplexity=ppl.perplexity,
+        nll=ppl.nll,
+        tokens=ppl.tokens,
+        windows=ppl.windows,
+        cache_dtype=kv["cache_dtype"],
+        kv_elements_per_token_per_layer=kv["kv_elements_per_token_per_layer"],
+        kv_bytes_per_token_per_layer=kv["kv_bytes_per_token_per_layer"],
+        kv_bytes_per_token=kv["kv_bytes_per_token"],
+        context=kv.get("context"),
+        kv_bytes_at_context=kv.get("kv_bytes_at_context"),
+        **{key: kv.get(key) for key in ("kv_lora_rank", "qk_rope_head_dim", "kv_heads", "head_dim")},
+        measured_cache=measured,
+        eval_seconds=eval_seconds,
+    )
 
 
 def comparison(model: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str, Any]:

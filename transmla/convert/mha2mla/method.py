@@ -19,7 +19,7 @@ from ..options import check_kv_budget
 from ..replicate import replicate
 from .budget import MHA2MLAShape, resolve_shape
 from .partial_rope import STRATEGIES, key_latent_dims, partial_rope, select_pairs
-from .svd import SVD_MODES, WEIGHTINGS, compress_latent
+from .svd import SVD_MODES, WEIGHTINGS, apply_factors, latent_spectrum, split_latent
 
 # MHA2MLA as published scores pairs and whitens on the original model's activations.
 DEFAULT_PROPAGATE = "original"
@@ -96,6 +96,13 @@ def settings_from_options(geometry: AttentionGeometry, options: MHA2MLAOptions, 
 
 def mha2mla_layer(src: SourceAttention, settings: MHA2MLASettings, stats=None) -> tuple[MLALayer, dict]:
     """Convert one source layer. stats: calibrate.LayerStats (needed for 2norm / activation)."""
+    return mha2mla_layer_at_ranks(src, settings, stats, [settings.shape.kv_lora_rank])[0]
+
+
+def mha2mla_layer_at_ranks(src: SourceAttention, settings: MHA2MLASettings, stats, ranks) -> list[tuple[MLALayer, dict]]:
+    """Convert one source layer at several latent ranks R from one decomposition: the pair selection,
+    partial RoPE and SVD are done once, then truncated to each rank (svd.latent_spectrum). Result i is
+    mha2mla_layer with kv_lora_rank ranks[i] (settings.shape's own rank is not read)."""
     geo = src.geometry
     s = settings.shape
     if settings.needs_calibration and stats is None:
@@ -108,11 +115,16 @@ def mha2mla_layer(src: SourceAttention, settings: MHA2MLASettings, stats=None) -
     layer = partial_rope(replicate(src), pairs, geo.num_heads, geo.head_dim)
     gram = stats.gram if settings.needs_gram else None
     k_dims = key_latent_dims(geo.num_kv_heads, geo.head_dim, s.rope_pairs)
-    out, factors = compress_latent(layer, k_dims, s.kv_lora_rank, settings.svd, gram, settings.center and gram is not None)
-    info = {"pairs": pairs.tolist()}
-    if factors.ranks is not None:
-        info["rank_k"], info["rank_v"] = factors.ranks
-    return out, info
+    w, b = split_latent(layer)
+    spectrum = latent_spectrum(w, b, k_dims, settings.svd, gram, settings.center and gram is not None)
+    out = []
+    for rank in ranks:
+        factors = spectrum.truncate(rank)
+        info = {"pairs": pairs.tolist()}
+        if factors.ranks is not None:
+            info["rank_k"], info["rank_v"] = factors.ranks
+        out.append((apply_factors(layer, factors), info))
+    return out
 
 
 class MHA2MLA(ConversionMethod):
@@ -142,5 +154,11 @@ class MHA2MLA(ConversionMethod):
     def convert_layer(self, plan: MHA2MLASettings, source: SourceAttention, stats) -> tuple[MLALayer, dict]:
         return mha2mla_layer(source, plan, stats)
 
+    def convert_layer_at_ranks(self, plan: MHA2MLASettings, source: SourceAttention, stats,
+                               ranks) -> list[tuple[MLALayer, dict]]:
+        """convert_layer at each latent rank in `ranks` (plan's other settings), sharing one SVD:
+        what a sweep over budgets with a fixed P needs (benchmarks/mha2mla_bench.py)."""
+        return mha2mla_layer_at_ranks(source, plan, stats, ranks)
 
-__all__ = ["MHA2MLA", "MHA2MLAOptions", "MHA2MLASettings", "mha2mla_layer", "settings_from_options"]
+
+__all__ = ["MHA2MLA", "MHA2MLAOptions", "MHA2MLASettings", "mha2mla_layer", "mha2mla_layer_at_ranks", "settings_from_options"]
