@@ -207,7 +207,7 @@ def test_readme_launch_converts_then_trains(tiny, tmp_path):  # noqa: F811
     # The README's command shape (`-m transmla.cli.app`) with a recipe that converts its source
     # first: the first process converts while the other waits outside any collective, so a
     # conversion longer than train.timeout_seconds does not end the run.
-    recipe = _recipe(tiny, tmp_path / "run", train={"grad_accum": 2, "steps": 2, "timeout_seconds": 5},
+    recipe = _recipe(tiny, tmp_path / "run", train={"grad_accum": 2, "steps": 2, "timeout_seconds": 20},
                      model={"path": None, "source": str(tiny / "src"),
                             "convert": {"method": "transmla", "kv_budget": 0.5, "calib_samples": 64, "calib_seq_len": 16}})
     del recipe["model"]["path"]
@@ -216,7 +216,8 @@ def test_readme_launch_converts_then_trains(tiny, tmp_path):  # noqa: F811
     slow_convert = tmp_path / "slow_convert.py"  # the conversion takes longer than the timeout
     slow_convert.write_text(
         "import time\nimport transmla.convert.api as api\n_convert = api.convert\n"
-        "def convert(*a, **k):\n    time.sleep(12)\n    return _convert(*a, **k)\napi.convert = convert\n"
+        f"def convert(*a, **k):\n    open({str(tmp_path / 'slowed')!r}, 'w').close()\n    time.sleep(35)\n"
+        "    return _convert(*a, **k)\napi.convert = convert\n"
     )
     (tmp_path / "sitecustomize.py").write_text("import slow_convert  # noqa: F401\n")
     env = _env()
@@ -224,6 +225,7 @@ def test_readme_launch_converts_then_trains(tiny, tmp_path):  # noqa: F811
     cmd = _launch(2, "-m", "transmla.cli.app", "finetune", str(path), "--json")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "slowed").exists()  # the conversion really outlasted the timeout
     assert r.stdout.count('"steps"') == 1
     converted = tmp_path / "run" / "converted"
     assert json.loads((converted / "config.json").read_text())["mla"]["method"]["name"] == "transmla"
