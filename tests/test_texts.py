@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from transmla.data.calib import calibration_chunks
+from transmla.data.calib import calibration_chunks, calibration_mix, split_samples
 from transmla.data.texts import TextSourceError, builtin_text, load_text
 
 
@@ -113,3 +113,31 @@ def test_calibration_chunks_too_few(tmp_path):
     p.write_text("x" * 100, encoding="utf-8")
     with pytest.raises(ValueError, match="has 3 chunks"):
         calibration_chunks(_CharTokenizer(), str(p), n_samples=4, seq_len=32)
+
+
+def test_calibration_mix_takes_each_texts_share(tmp_path):
+    # wiki=3,a.txt=1: 6 + 2 of 8 sequences, each text's chunks picked as if it were alone, in the order given.
+    tok = _CharTokenizer()
+    a = tmp_path / "a.txt"
+    a.write_text("".join(chr(65 + i % 26) for i in range(4000)), encoding="utf-8")
+    mixed = calibration_chunks(tok, f"wiki=3,{a}=1", n_samples=8, seq_len=32, seed=0)
+    assert mixed.shape == (8, 32)
+    assert torch.equal(mixed[:6], calibration_chunks(tok, "wiki", n_samples=6, seq_len=32, seed=0))
+    assert torch.equal(mixed[6:], calibration_chunks(tok, str(a), n_samples=2, seq_len=32, seed=0))
+    # weights are relative and default to 1; at least one sequence each
+    assert calibration_mix("wiki,lee") == [("wiki", 1.0), ("lee", 1.0)]
+    assert split_samples(2048, [3, 1]) == [1536, 512] and split_samples(10, [1, 1, 1]) == [4, 3, 3]
+    assert split_samples(3, [100, 1, 1]) == [1, 1, 1]
+    assert calibration_mix(str(a)) == [(str(a), 1.0)]  # one file is one text
+    assert calibration_mix("wikitext:wikitext-2-raw-v1:train=2,lee") == [("wikitext:wikitext-2-raw-v1:train", 2.0), ("lee", 1.0)]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("wiki=0,lee", "positive weight"), ("wiki=x,lee", "positive weight"), ("wiki,,lee", "positive weight"),
+    ("wiki,wiki=2", "names 'wiki' twice"), ("wiki=nan,lee", "positive weight"),
+])
+def test_calibration_mix_bad_specs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        calibration_mix(spec)
+    with pytest.raises(ValueError, match="cannot be shared by 3 texts"):
+        split_samples(2, [1, 1, 1])

@@ -1,12 +1,16 @@
-"""Calibration batches: random non-overlapping token chunks of a text's calibration part."""
+"""Calibration batches: random non-overlapping token chunks of a text's calibration part, or of
+several texts mixed by weight (``wiki=3,lee=1``)."""
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 import torch
 
 from transmla.data.texts import load_text
 
-__all__ = ["tokenize_text", "calibration_chunks"]
+__all__ = ["tokenize_text", "calibration_chunks", "calibration_mix", "split_samples"]
 
 
 def tokenize_text(tokenizer, text: str) -> torch.Tensor:
@@ -23,6 +27,40 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)  # [N]
 
 
+def calibration_mix(spec: str) -> list[tuple[str, float]]:
+    """``spec`` as (text, weight) pairs: one text (``wiki``, ``lee``, a path, a dataset name), or
+    a comma-separated mix ``wiki=3,lee=1,PATH`` whose weights (1 when left out) are relative."""
+    if "," not in spec and "=" not in spec or Path(spec).exists():
+        return [(spec, 1.0)]
+    mix: list[tuple[str, float]] = []
+    for part in spec.split(","):
+        name, eq, weight = part.strip().rpartition("=") if "=" in part else ("", "", "")
+        name, weight = (name.strip(), weight.strip()) if eq else (part.strip(), "1")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not name or not (math.isfinite(w) and w > 0):
+            raise ValueError(f"calibration mix {spec!r}: each part is TEXT or TEXT=WEIGHT with a positive weight, got {part!r}")
+        if any(name == seen for seen, _ in mix):
+            raise ValueError(f"calibration mix {spec!r} names {name!r} twice")
+        mix.append((name, w))
+    return mix
+
+
+def split_samples(n_samples: int, weights: list[float]) -> list[int]:
+    """``n_samples`` shared out by ``weights``: one each, the rest in proportion (largest remainder,
+    ties to the earlier text)."""
+    if n_samples < len(weights):
+        raise ValueError(f"{n_samples} calibration sequences cannot be shared by {len(weights)} texts")
+    rest, total = n_samples - len(weights), sum(weights)
+    exact = [rest * w / total for w in weights]
+    counts = [1 + math.floor(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))[: n_samples - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def calibration_chunks(
     tokenizer, spec: str, n_samples: int, seq_len: int, seed: int = 0
 ) -> torch.Tensor:
@@ -30,10 +68,16 @@ def calibration_chunks(
 
     The text is cut into non-overlapping chunks ``ids[i*seq_len:(i+1)*seq_len]``; a
     ``torch.Generator`` seeded with ``seed`` picks ``n_samples`` of them without replacement
-    and they are returned in text order. Returns a LongTensor [n_samples, seq_len].
+    and they are returned in text order. A mix (``wiki=3,lee=1``) takes each text's share of the
+    samples (split_samples) the same way, the texts in the order given. Returns a LongTensor
+    [n_samples, seq_len].
     """
     if n_samples < 1 or seq_len < 1:
         raise ValueError(f"n_samples and seq_len must be positive, got {n_samples}, {seq_len}")
+    mix = calibration_mix(spec)
+    if len(mix) > 1:
+        counts = split_samples(n_samples, [w for _, w in mix])
+        return torch.cat([calibration_chunks(tokenizer, text, n, seq_len, seed) for (text, _), n in zip(mix, counts)])
     ids = tokenize_text(tokenizer, load_text(spec, part="calib"))  # [N]
     n_chunks = ids.numel() // seq_len
     if n_chunks < n_samples:
