@@ -22,22 +22,19 @@ Writes benchmarks/results/calib_mix.json (resumable) and calib_mix.md.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 from transmla.checkpoint.resolve import cache_root
 
-from .common import RESULTS, ResultCache, log, machine
+from .common import RESULTS, ResultCache, log, machine, transmla_json
 
 SOURCE = "smollm2-135m"
 MIXES = ("wiki", "wiki=1,lee=1", "wiki=1,{code_calib}=1")  # {code_calib}: stdlib modules a..m
 WINDOWS = 16
 SEQ = 512
 WORK = cache_root() / "bench-calib-mix"
-TRANSMLA = Path(sys.executable).parent / "transmla"
 OUT_JSON = RESULTS / "calib_mix.json"
 OUT_MD = RESULTS / "calib_mix.md"
 
@@ -58,13 +55,6 @@ def held_out_texts() -> dict[str, Path]:
             path.write_text("\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), encoding="utf-8")
         out[name] = path
     return out
-
-
-def cli_json(*args: str) -> dict:
-    proc = subprocess.run([str(TRANSMLA), *args, "--json"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"transmla {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return json.loads(proc.stdout)
 
 
 def wiki_dev(model: str) -> float:
@@ -92,11 +82,11 @@ def run(mix: str | None, texts: dict[str, Path]) -> dict:
         model = str(WORK / f"transmla-25-mix{MIXES.index(mix)}")
         calib = mix.format(code_calib=texts["code_calib"])
         log(f"converting with --calib {calib}")
-        cli_json("convert", SOURCE, model, "--method", "transmla", "--kv-budget", "0.25", "--calib", calib, "--force")
+        transmla_json("convert", SOURCE, model, "--method", "transmla", "--kv-budget", "0.25", "--calib", calib, "--force")
     entry = {"mix": mix, "machine": machine(), "wiki_dev": {"perplexity": wiki_dev(model), "windows": WINDOWS}}
     log(f"{mix or 'source'} on wiki-dev: {entry['wiki_dev']['perplexity']:.3f}")
     for name in ("code", "licences"):
-        r = cli_json("eval", model, "--data", str(texts[name]), "--max-windows", str(WINDOWS))
+        r = transmla_json("eval", model, "--data", str(texts[name]), "--max-windows", str(WINDOWS))
         entry[name] = {"perplexity": r["perplexity"], "windows": r["windows"], "tokens": r["tokens"]}
         log(f"{mix or 'source'} on {name}: {r['perplexity']:.3f}")
     return entry

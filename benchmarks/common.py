@@ -4,6 +4,7 @@ result cache, and the machine record (transmla.eval.report.environment) written 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -14,6 +15,26 @@ from transmla.eval.report import environment as machine  # noqa: F401  (re-expor
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+STOCK_PPL = ROOT / "benchmarks" / "engines_stock_ppl.py"
+TRANSMLA = Path(sys.executable).parent / "transmla"  # the CLI of the interpreter running the benchmark
+
+
+def stock_perplexities(folders: list[Path], windows: Path, import_transmla: bool, cwd: Path | None = None) -> list[dict]:
+    """Each folder's perplexity on the windows file, scored by engines_stock_ppl.py in a process that
+    imports transmla only when asked (without it, stock transformers loads an exported folder)."""
+    cmd = [sys.executable, str(STOCK_PPL), str(windows), *map(str, folders)] + (["--import-transmla"] if import_transmla else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def transmla_json(*args: str) -> dict:
+    """`transmla ARGS --json` run as a user runs it; its JSON output (the last error line if it fails)."""
+    proc = subprocess.run([str(TRANSMLA), *args, "--json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"transmla {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout)
 
 
 def log(msg: str) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -34,12 +33,10 @@ from transmla.convert.pipeline import method_record, write_mla_checkpoint
 from transmla.convert.registry import get_method
 from transmla.export.deepseek import ExportOptions, export_deepseek
 
-from .common import RESULTS, log, machine
+from .common import RESULTS, log, machine, stock_perplexities
 from .smollm2 import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers, ours_plan
 
-ROOT = Path(__file__).resolve().parent
 WORK = CACHE / "deepseek-export"
-STOCK_PPL = ROOT / "engines_stock_ppl.py"
 HEAD_DIM = 64
 # Plan overrides of each exportable variant (on top of the CLI defaults' plan, F = d/r).
 VARIANTS = {
@@ -87,11 +84,7 @@ def write_native(b: Bench, budget: str, name: str, overrides: dict) -> Path:
 
 
 def evaluate(folders: list[Path], windows: Path, import_transmla: bool) -> list[dict]:
-    cmd = [sys.executable, str(STOCK_PPL), str(windows), *map(str, folders)] + (["--import-transmla"] if import_transmla else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=WORK)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return stock_perplexities(folders, windows, import_transmla, cwd=WORK)
 
 
 def final(b: Bench, chosen: str, budgets=BUDGETS, source: bool = True) -> None:

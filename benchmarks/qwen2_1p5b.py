@@ -36,16 +36,14 @@ from pathlib import Path
 
 from transmla.checkpoint.resolve import cache_root
 
-from .common import RESULTS, ResultCache, log, machine
+from .common import TRANSMLA, RESULTS, ResultCache, log, machine, stock_perplexities, transmla_json
 
 MODEL = "qwen2.5-coder-1.5b"
 OUT_JSON = RESULTS / "qwen2_1p5b.json"
 OUT_MD = RESULTS / "qwen2_1p5b.md"
 WORK = cache_root() / "bench-qwen2"
-TRANSMLA = Path(sys.executable).parent / "transmla"  # the CLI of the interpreter running this
 TEXTS = ("wiki", "lee")
 SEQ = 512
-STOCK_PPL = Path(__file__).with_name("engines_stock_ppl.py")
 PROMPT = "def fibonacci(n):"
 
 
@@ -97,34 +95,27 @@ def convert(run: str) -> tuple[Path, dict | None]:
 
 
 def evaluate(folder: Path, text: str, windows: int) -> dict:
-    out = subprocess.run([str(TRANSMLA), "eval", str(folder), "--data", text, "--max-windows", str(windows), "--json"],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"transmla eval {folder} --data {text} failed: {out.stderr.strip().splitlines()[-1:]}")
-    r = json.loads(out.stdout)
+    r = transmla_json("eval", str(folder), "--data", text, "--max-windows", str(windows))
     return {k: r[k] for k in ("perplexity", "windows", "tokens", "kv_elements_per_token_per_layer") if k in r}
 
 
 def decode_paths_agree(folder: Path) -> dict:
     """Greedy text through the absorbed latent cache and through the expanded path, compared."""
-    texts = {}
-    for mode in ("absorbed", "expanded"):
-        out = subprocess.run([str(TRANSMLA), "generate", str(folder), PROMPT, "--max-new-tokens", "24", "--decode", mode, "--json"],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(f"transmla generate {folder} --decode {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
-        texts[mode] = json.loads(out.stdout)["completion"]
+    texts = {mode: transmla_json("generate", str(folder), PROMPT, "--max-new-tokens", "24", "--decode", mode)["completion"]
+             for mode in ("absorbed", "expanded")}
     return {"prompt": PROMPT, **texts, "equal": texts["absorbed"] == texts["expanded"]}
 
 
-def stock_perplexities(folders: list[Path], windows: Path, import_transmla: bool) -> list[dict]:
-    """Perplexity of each folder on the windows, scored by benchmarks/engines_stock_ppl.py in a
-    process that imports transmla only when asked (stock transformers loads the export)."""
-    cmd = [sys.executable, str(STOCK_PPL), str(windows), *map(str, folders)] + (["--import-transmla"] if import_transmla else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr.strip().splitlines()[-1:]}")
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+def eval_windows(folder: Path, windows: int) -> dict:
+    """The first `windows` 512-token windows of each built-in text's evaluation part, under the
+    tokenizer of `folder` (the windows `transmla eval --max-windows` scores): text -> [W, 512]."""
+    from transformers import AutoTokenizer
+
+    from transmla.data.calib import tokenize_text
+    from transmla.data.texts import load_text
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return {text: tokenize_text(tok, load_text(text, "eval"))[: windows * SEQ].view(-1, SEQ).contiguous() for text in TEXTS}
 
 
 def dropped_biases(folder: Path, windows: int) -> dict:
@@ -132,27 +123,19 @@ def dropped_biases(folder: Path, windows: int) -> dict:
     `--engines vllm,sglang --pad-latent --drop-biases`, scored in stock transformers beside the
     native model (through the same scoring code, on the first `windows` windows of each text)."""
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from transmla.data.calib import tokenize_text
-    from transmla.data.texts import load_text
 
     out = WORK / f"{folder.name}-vllm"
-    cmd = [str(TRANSMLA), "export", str(folder), str(out), "--format", "deepseek", "--engines", "vllm,sglang",
-           "--pad-latent", "--drop-biases", "--force"]
-    log(f"exporting {folder.name} without biases: {' '.join(cmd[1:])}")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    tok = AutoTokenizer.from_pretrained(folder)
-    ids = {text: tokenize_text(tok, load_text(text, "eval"))[: windows * SEQ] for text in TEXTS}
+    args = ["export", str(folder), str(out), "--format", "deepseek", "--engines", "vllm,sglang", "--pad-latent",
+            "--drop-biases", "--force"]
+    log(f"exporting {folder.name} without biases: {' '.join(args)}")
+    transmla_json(*args)
     path = WORK / "windows.safetensors"
-    save_file({text: t.view(-1, SEQ).contiguous() for text, t in ids.items()}, str(path))
+    save_file(eval_windows(folder, windows), str(path))
     log(f"scoring {folder.name} (native) and {out.name} (stock transformers) on {windows} windows")
     native = stock_perplexities([folder], path, True)[0]
     stock = stock_perplexities([out], path, False)[0]
     shutil.rmtree(out)
-    return {"command": " ".join(["transmla", *cmd[1:]]), "class": stock["class"],
+    return {"command": " ".join(["transmla", *args]), "class": stock["class"],
             "transmla_imported": stock["transmla_imported"],
             **{text: {"native": native[text]["ppl"], "dropped": stock[text]["ppl"], "tokens": stock[text]["tokens"]}
                for text in TEXTS}}
@@ -165,15 +148,12 @@ def bias_ablation(windows: int) -> dict:
     import math
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from transmla.checkpoint.resolve import resolve_model_dir
-    from transmla.data.calib import tokenize_text
-    from transmla.data.texts import load_text
 
     folder = resolve_model_dir(MODEL)
-    tok = AutoTokenizer.from_pretrained(folder)
-    ids = {text: tokenize_text(tok, load_text(text, "eval"))[: windows * SEQ].view(-1, SEQ) for text in TEXTS}
+    ids = eval_windows(folder, windows)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     attn = [layer.self_attn for layer in model.model.layers]
 

@@ -96,9 +96,10 @@ class OutputOptions:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         parse_engines(self.engines)
         if self.format != "deepseek":
-            export_only = {"engines": self.engines != "transformers", "pad_latent": self.pad_latent, "drop_biases": self.drop_biases}
-            for name in (n for n, set_ in export_only.items() if set_):
-                raise ValueError(f"{name} does not apply to format {self.format}; it is an option of the deepseek export")
+            given = [n for n, set_ in (("engines", self.engines != "transformers"), ("pad_latent", self.pad_latent),
+                                       ("drop_biases", self.drop_biases)) if set_]
+            if given:
+                raise ValueError(f"{given[0]} does not apply to format {self.format}; it is an option of the deepseek export")
         if self.dtype is not None:
             torch_dtype(self.dtype)  # fail before any work on a bad name
         parse_size(self.max_shard_size)

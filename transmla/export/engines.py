@@ -81,7 +81,7 @@ def _transformers(config: dict) -> str | None:
         from transformers import DeepseekV3ForCausalLM  # noqa: F401
     except ImportError:
         return "the installed transformers has no DeepseekV3 (needs 4.51 or later)"
-    return source_report(config)["transformers"]
+    return None
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -126,7 +126,7 @@ def _common_serving(config: dict, name: str) -> str | None:
 
 
 def _vllm(config: dict) -> str | None:
-    reason = source_report(config)["vllm"] or _common_serving(config, "vLLM")
+    reason = _common_serving(config, "vLLM")
     if reason:
         return reason
     width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
@@ -139,7 +139,7 @@ def _vllm(config: dict) -> str | None:
 
 
 def _sglang(config: dict) -> str | None:
-    return source_report(config)["sglang"] or _common_serving(config, "SGLang")
+    return _common_serving(config, "SGLang")
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
@@ -157,4 +157,5 @@ _RULES = {"transformers": _transformers, "vllm": _vllm, "sglang": _sglang}
 
 def engine_report(config: dict) -> dict[str, str | None]:
     """engine -> None when it loads this DeepSeek config exactly, else the reason it does not."""
-    return {name: rule(config) for name, rule in _RULES.items()}
+    decided = source_report(config)  # what the source decides (router, rope), then each engine's own rules
+    return {name: decided[name] or rule(config) for name, rule in _RULES.items()}

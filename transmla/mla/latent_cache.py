@@ -14,6 +14,7 @@ and the mask sizes are the dynamic ones. ``MLAModel.generate`` builds one sized 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -22,12 +23,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 __all__ = ["LatentCache", "LatentLayer", "cache_kwargs", "cached_rows"]
 
 
-def cache_kwargs(cache) -> dict:
-    """`cache` as a model forward's keyword: `cache` since transformers 5.24, `past_key_values` before."""
+@functools.cache
+def _cache_kwarg() -> str:
     from transformers.models.llama.modeling_llama import LlamaModel
 
-    name = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
-    return {name: cache}
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict:
+    """`cache` as a model forward's keyword: `cache` since transformers 5.24, `past_key_values` before
+    (the name is looked up once: this sits in decode loops)."""
+    return {_cache_kwarg(): cache}
 
 
 class LatentLayer(CacheLayerMixin):
