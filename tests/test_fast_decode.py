@@ -18,12 +18,14 @@ from transmla.mla.model import build_mla_model, mla_config_for, set_decode_mode
 D_C, D_R = 10, 6
 
 
-def random_mla_model(tiny_factory, bias: bool = False):
-    """A random MLA model over the tiny llama geometry (6 heads, 2 layers), d_c = 10, d_r = 6."""
+def random_mla_model(tiny_factory, bias: bool = False, narrow_latent: bool = False):
+    """A random MLA model over the tiny llama geometry (6 heads, 2 layers, hidden 48), d_c = 10, d_r = 6;
+    narrow_latent: d_c <= d_nope and d_c <= d_v, so a prefill of >= 48 tokens folds W_UK / W_UV into the weights."""
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
-    mla = MLAConfig(num_heads=6, hidden_size=48, kv_lora_rank=D_C, qk_rope_head_dim=D_R, qk_nope_head_dim=5,
-                    v_head_dim=7, softmax_scale=0.4, rope_inv_freq=[[1.0, 0.3, 0.01]] * 2, kv_a_norm=True,
+    d_nope, d_v = (12, 10) if narrow_latent else (5, 7)
+    mla = MLAConfig(num_heads=6, hidden_size=48, kv_lora_rank=D_C, qk_rope_head_dim=D_R, qk_nope_head_dim=d_nope,
+                    v_head_dim=d_v, softmax_scale=0.4, rope_inv_freq=[[1.0, 0.3, 0.01]] * 2, kv_a_norm=True,
                     q_bias=bias, kv_a_bias=bias, kv_b_bias=bias, o_bias=bias)
     config._attn_implementation = "sdpa"
     torch.manual_seed(1)
@@ -44,10 +46,14 @@ def reference_logits(model, sequences: torch.Tensor) -> torch.Tensor:
         set_decode_mode(model, "auto")
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_generate_fast_path_equals_full_forward(tiny_factory, bias):
-    model = random_mla_model(tiny_factory, bias)
-    prompt = torch.randint(0, 97, (3, 11))
+@pytest.mark.parametrize("bias,narrow_latent,prompt_len", [(False, False, 11), (True, False, 11), (False, True, 20),
+                                                             (True, True, 20)])
+def test_generate_fast_path_equals_full_forward(tiny_factory, bias, narrow_latent, prompt_len):
+    """narrow_latent with a 3 x 20 prompt: the prefill takes the folded-weights path."""
+    model = random_mla_model(tiny_factory, bias, narrow_latent)
+    prompt = torch.randint(0, 97, (3, prompt_len))
+    attn = model.model.layers[0].self_attn
+    assert attn._folds(*prompt.shape) == narrow_latent
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
@@ -71,12 +77,15 @@ def test_generate_fast_path_equals_reference_kernel_decode(tiny_factory):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_generate_padded_batch_equals_each_sequence_alone(tiny_factory):
-    model = random_mla_model(tiny_factory)
-    long, short = torch.randint(0, 97, (1, 10)), torch.randint(0, 97, (1, 6))
+@pytest.mark.parametrize("narrow_latent,length", [(False, 10), (True, 30)])
+def test_generate_padded_batch_equals_each_sequence_alone(tiny_factory, narrow_latent, length):
+    """narrow_latent with 2 x 30 tokens: the padded prefill takes the folded-weights path."""
+    model = random_mla_model(tiny_factory, narrow_latent=narrow_latent)
+    assert model.model.layers[0].self_attn._folds(2, length) == narrow_latent
+    long, short = torch.randint(0, 97, (1, length)), torch.randint(0, 97, (1, length - 4))
     pad = 0
-    ids = torch.cat([long, torch.cat([torch.full((1, 4), pad), short], dim=1)])  # left-padded [2, 10]
-    mask = torch.cat([torch.ones(1, 10), torch.cat([torch.zeros(1, 4), torch.ones(1, 6)], dim=1)]).long()
+    ids = torch.cat([long, torch.cat([torch.full((1, 4), pad), short], dim=1)])  # left-padded [2, length]
+    mask = torch.cat([torch.ones(1, length), torch.cat([torch.zeros(1, 4), torch.ones(1, length - 4)], dim=1)]).long()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=pad)

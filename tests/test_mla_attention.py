@@ -16,10 +16,11 @@ from transmla.convert.layers import source_layers
 from transformers import AutoConfig
 
 
-def random_mla_config(bias: bool, q_lora: int | None = None, kv_norm: bool = False, d_r: int = 8) -> MLAConfig:
+def random_mla_config(bias: bool, q_lora: int | None = None, kv_norm: bool = False, d_r: int = 8,
+                      d_c: int = 12) -> MLAConfig:
     torch.manual_seed(0)
     return MLAConfig(
-        num_heads=4, hidden_size=32, kv_lora_rank=12, qk_rope_head_dim=d_r, qk_nope_head_dim=6, v_head_dim=10,
+        num_heads=4, hidden_size=32, kv_lora_rank=d_c, qk_rope_head_dim=d_r, qk_nope_head_dim=6, v_head_dim=10,
         softmax_scale=0.3, rope_inv_freq=[torch.rand(d_r // 2).tolist()], q_lora_rank=q_lora, q_a_norm=bool(q_lora),
         kv_a_norm=kv_norm, q_bias=bias, kv_a_bias=bias, kv_b_bias=bias, o_bias=bias,
     )
@@ -50,6 +51,36 @@ def test_absorbed_equals_expanded_layer(bias, q_lora, kv_norm):
     config.decode = "expanded"
     full, _ = attn(x, position_ids=torch.arange(9)[None])
     torch.testing.assert_close(outs["expanded"], full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("q_lora,kv_norm", [(None, False), (7, True)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_folded_prefill_equals_expanded_layer(bias, q_lora, kv_norm, padded):
+    """d_c = 5 <= d_nope, d_v and 2 x 20 tokens >= hidden 32: the absorbed prefill folds W_UK into the
+    query linear and W_UV into o_proj; equal to the expanded path, and so are the decode steps after it."""
+    config = random_mla_config(bias, q_lora, kv_norm, d_c=5)
+    attn = MLAAttention(config, 0).eval()
+    randomize(attn)
+    x = torch.randn(2, 23, 32)
+    mask = None
+    if padded:  # sequence 1 is left-padded by 3 tokens: a boolean [B, 1, T, S] mask, True = attend
+        keep = torch.ones(2, 23, dtype=torch.bool)
+        keep[1, :3] = False
+        mask = (keep[:, None, :] & torch.ones(23, 23, dtype=torch.bool).tril()[None])[:, None]
+    assert attn._folds(2, 20) and not attn._folds(2, 1)
+    outs = {}
+    for mode in ("expanded", "absorbed"):
+        config.decode = mode
+        cache = DynamicCache()
+        prefill, _ = attn(x[:, :20], attention_mask=None if mask is None else mask[..., :20, :20],
+                          past_key_values=cache, position_ids=torch.arange(20)[None])
+        steps = [attn(x[:, t : t + 1], attention_mask=None if mask is None else mask[..., t : t + 1, : t + 1],
+                      past_key_values=cache, position_ids=torch.tensor([[t]]))[0] for t in range(20, 23)]
+        outs[mode] = torch.cat([prefill, *steps], dim=1)
+    first = 3 if padded else 0  # the padding positions' own queries see nothing: not compared
+    torch.testing.assert_close(outs["absorbed"][0], outs["expanded"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["absorbed"][1, first:], outs["expanded"][1, first:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family,bias,kv_heads", [("llama", False, 2), ("llama", True, 6), ("qwen2", True, 2), ("mistral", False, 6)])

@@ -7,6 +7,8 @@ kv_b_proj = per head [W_UK[h]; W_UV[h]]. Two equal ways to attend:
 - expanded (prefill/training): build K, V for every head, then SDPA;
 - absorbed (decode): q_lat = W_UK[h]^T q_nope, score = q_lat . c + q_rope . k_r,
   o_lat = sum_t p_t c_t, out_h = W_UV[h] o_lat — MQA over the latent, nothing expanded.
+  For many tokens at once (prefill) W_UK is folded into the query projection and W_UV into o_proj
+  (``_folds``): one linear gives [q_lat | q_rope] per head, one linear maps o_lat to the output.
 """
 
 from __future__ import annotations
@@ -73,13 +75,18 @@ class MLAAttention(nn.Module):
         scale = self.config.rope_attention_scaling
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
-    def project_query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query_linear(self, x: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:
+        """The last query linear (q_proj, or q_b_proj after q_a_proj and its norm) and its input."""
         if self.config.q_lora_rank:
             q = self.q_a_proj(x)
             if self.q_a_norm is not None:
                 q = self.q_a_norm(q)
-            return self.q_b_proj(q)
-        return self.q_proj(x)
+            return self.q_b_proj, q
+        return self.q_proj, x
+
+    def project_query(self, x: torch.Tensor) -> torch.Tensor:
+        linear, x = self._query_linear(x)
+        return linear(x)
 
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> latent c [B, T, d_c] and un-rotated rope key [B, T, d_r]."""
@@ -113,12 +120,8 @@ class MLAAttention(nn.Module):
         if position_ids is None:
             past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
             position_ids = torch.arange(past, past + T, device=hidden_states.device)[None]
-        q = self.project_query(hidden_states).view(B, T, c.num_heads, c.qk_head_dim)
-        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.compress(hidden_states)
-
-        cos, sin = self._rope(position_ids.expand(B, -1), q.dtype)  # [B, T, d_r]
-        q_rope = q_rope * cos[:, :, None] + rotate_half(q_rope) * sin[:, :, None]
+        cos, sin = self._rope(position_ids.expand(B, -1), latent.dtype)  # [B, T, d_r]
         k_rope = k_rope * cos + rotate_half(k_rope) * sin
 
         rows = None  # [B, S, d_c + d_r]: every cached token's [c | k_r]
@@ -132,10 +135,23 @@ class MLAAttention(nn.Module):
                 rows = torch.cat((latent, k_rope), dim=-1)
             # no mask built without padding: the causal limit is the queries' place at the end
             padding = None if attention_mask is None else self._sdpa_mask(attention_mask, T, S, hidden_states.device)
+            if self._folds(B, T):
+                return self._absorbed_folded(hidden_states, cos, sin, rows, padding), None
+            q_nope, q_rope = self._query(hidden_states, cos, sin)
             out = self._absorbed(q_nope, q_rope, rows, padding)
         else:
+            q_nope, q_rope = self._query(hidden_states, cos, sin)
             out = self._expanded(q_nope, q_rope, latent, k_rope, self._sdpa_mask(attention_mask, T, S, hidden_states.device))
         return self.o_proj(out.reshape(B, T, c.num_heads * c.v_head_dim)), None
+
+    def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q_nope [B, T, H, d_nope] and the rotated q_rope [B, T, H, d_r]."""
+        c = self.config
+        B, T, _ = x.shape
+        q = self.project_query(x).view(B, T, c.num_heads, c.qk_head_dim)
+        q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_rope = q_rope * cos[:, :, None] + rotate_half(q_rope) * sin[:, :, None]
+        return q_nope, q_rope
 
     def _use_absorbed(self, q_len: int, has_cache: bool) -> bool:
         """auto: absorbed at inference (decode, and prefill on the CPU, where the one-KV-head form
@@ -193,3 +209,54 @@ class MLAAttention(nn.Module):
             b_v = self.kv_b_proj.bias.view(c.num_heads, -1)[:, c.qk_nope_head_dim :]
             out = out + b_v
         return out
+
+    # -- prefill in the absorbed form with W_UK and W_UV folded into the projections ---------
+    def _folds(self, batch: int, q_len: int) -> bool:
+        """Fold W_UK / W_UV into the weights for a prefill-sized call (decode steps keep the per-token
+        einsums and, on CUDA, the Triton kernel): folding costs about what one token per input
+        feature costs in einsums, and pays when the folded linears are no wider than the ones they
+        replace (d_c <= d_nope, d_c <= d_v: no more work per token, no per-head einsum or concatenation)."""
+        c = self.config
+        return (q_len > c.absorb_max_query_tokens and batch * q_len >= c.hidden_size and not self.training
+                and c.kv_lora_rank <= c.qk_nope_head_dim and c.kv_lora_rank <= c.v_head_dim)
+
+    def _absorbed_folded(self, x, cos, sin, rows, mask) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        H, d_c = c.num_heads, c.kv_lora_rank
+        linear, q_in = self._query_linear(x)
+        w_q, b_q = self._fold_query(linear)
+        q_rows = F.linear(q_in, w_q, b_q).view(B, T, H, d_c + c.qk_rope_head_dim)  # [q_lat | q_rope] per head
+        q_rope = q_rows[..., d_c:]  # [B, T, H, d_r], rotated in place
+        q_rows[..., d_c:] = q_rope * cos[:, :, None] + rotate_half(q_rope) * sin[:, :, None]
+        o_lat = attend_rows(q_rows, rows, d_c, c.softmax_scale, mask,
+                            fold_max_queries=c.absorb_max_query_tokens)  # [B, T, H, d_c]
+        w_o, b_o = self._fold_output()
+        return F.linear(o_lat.reshape(B, T, H * d_c), w_o, b_o)  # [B, T, D]
+
+    def _fold_query(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The query linear with W_UK folded in: [H*(d_c + d_r), in] (and bias), rows per head [lat | rope].
+        q_lat = W_UK[h]^T q_nope = (W_UK[h]^T W_q,nope[h]) x + W_UK[h]^T b_q,nope[h]."""
+        c = self.config
+        H, d_n = c.num_heads, c.qk_nope_head_dim
+        w_uk = self.up_weights()[0].float()  # [H, d_nope, d_c]
+        w = linear.weight.view(H, c.qk_head_dim, -1)  # [H, d_nope + d_r, in]
+        w_lat = torch.einsum("hnc,hni->hci", w_uk, w[:, :d_n].float()).to(w.dtype)  # [H, d_c, in]
+        weight = torch.cat((w_lat, w[:, d_n:]), dim=1).reshape(-1, w.shape[-1])  # [H*(d_c + d_r), in]
+        if linear.bias is None:
+            return weight, None
+        b = linear.bias.view(H, c.qk_head_dim)  # [H, d_nope + d_r]
+        b_lat = torch.einsum("hnc,hn->hc", w_uk, b[:, :d_n].float()).to(b.dtype)  # [H, d_c]
+        return weight, torch.cat((b_lat, b[:, d_n:]), dim=1).reshape(-1)
+
+    def _fold_output(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """o_proj with W_UV folded in: [D, H*d_c]; o_proj(W_UV o_lat + b_v) = (W_O W_UV) o_lat + W_O b_v + b_o."""
+        c = self.config
+        w_uv = self.up_weights()[1].float()  # [H, d_v, d_c]
+        w_o = self.o_proj.weight  # [D, H*d_v]
+        weight = torch.einsum("dhv,hvc->dhc", w_o.float().view(-1, c.num_heads, c.v_head_dim), w_uv)
+        bias = None if self.o_proj.bias is None else self.o_proj.bias.float()
+        if self.kv_b_proj.bias is not None:
+            b_v = self.kv_b_proj.bias.view(c.num_heads, -1)[:, c.qk_nope_head_dim :].reshape(-1)  # [H*d_v]
+            bias = w_o.float() @ b_v.float() + (0 if bias is None else bias)
+        return weight.reshape(w_o.shape[0], -1).to(w_o.dtype), None if bias is None else bias.to(w_o.dtype)
