@@ -254,7 +254,7 @@ class MLAAttention(nn.Module):
         c = self.config
         w_uv = self.up_weights()[1].float()  # [H, d_v, d_c]
         w_o = self.o_proj.weight  # [D, H*d_v]
-        weight = torch.einsum("dhv,hvc->dhc", w_o.float().view(-1, c.num_heads, c.v_head_dim), w_uv)
+        weight = torch.einsum("dhv,hvc->dhc", w_o.float().view(-1, c.num_heads, c.v_head_dim), w_uv)  # [D, H, d_c]
         bias = None if self.o_proj.bias is None else self.o_proj.bias.float()
         if self.kv_b_proj.bias is not None:
             b_v = self.kv_b_proj.bias.view(c.num_heads, -1)[:, c.qk_nope_head_dim :].reshape(-1)  # [H*d_v]
