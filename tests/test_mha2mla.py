@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import transmla  # noqa: F401  (registers the MLA models)
 from transmla.convert.api import convert
-from transmla.convert.calibrate import _mla_attention, calibrated_layers
+from transmla.convert.calibrate import mla_attention, calibrated_layers
 from transmla.convert.layers import SourceAttention
 from transmla.convert.lowrank import with_bias_column
 from transmla.convert.mha2mla.budget import default_rope_pairs, mha2mla_budget, resolve_shape
@@ -97,7 +97,7 @@ def reference_partial_rope(src: SourceAttention, x: torch.Tensor, pairs: torch.T
 
 
 def mla_forward(config, layer, x: torch.Tensor) -> torch.Tensor:
-    attn = _mla_attention(config, layer, "cpu")
+    attn = mla_attention(config, layer, "cpu")
     with torch.no_grad():
         return attn(x, position_ids=torch.arange(x.shape[1])[None])[0]
 

@@ -19,7 +19,7 @@ from transmla.convert.lowrank import with_bias_column
 from transmla.convert.transmla.bkv import bkv_alpha, joint_pca
 from transmla.convert.transmla.budget import transmla_budget, validate_transmla_shape
 from transmla.convert.assemble import assemble_model
-from transmla.convert.calibrate import _mla_attention, collect_layer_stats
+from transmla.convert.calibrate import mla_attention, collect_layer_stats
 from transmla.convert.options import CalibrationOptions, ConvertOptions
 from transmla.convert.layers import source_layers
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
@@ -162,7 +162,7 @@ def test_partial_rope_layer_matches_definition(tiny_factory, fold, rope_dim, sel
     plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - rope_dim, rope_dim=rope_dim, freqfold=fold, selection=selection)
     choice, _ = choose_rope(src, LayerMoments.of(src, gram), plan)
     staged = stage_layers(src, gram, plan)
-    attn = _mla_attention(config, staged["freqfold"], "cpu")
+    attn = mla_attention(config, staged["freqfold"], "cpu")
     x = torch.randn(1, 12, config.hidden_size, generator=torch.Generator().manual_seed(4))
     ours = attn(x, position_ids=torch.arange(12)[None])[0][0].double()
     ref = reference_partial_rope(src, x, choice.rotation, choice.kept, choice.inv_freq)

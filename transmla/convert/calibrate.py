@@ -94,7 +94,7 @@ def _load_decoder_layer(reader: SafetensorsReader, config, layer: int, device):
     return module.float().to(device).eval()
 
 
-def _mla_attention(config, layer: MLALayer, device) -> MLAAttention:
+def mla_attention(config, layer: MLALayer, device) -> MLAAttention:
     """A standalone MLAAttention holding one converted layer (its frequencies at index 0)."""
     mla = mla_config(config, layer, [layer.rope_inv_freq.tolist()], {})
     attn = MLAAttention(mla, 0)
@@ -109,6 +109,8 @@ def calibrated_layers(
     convert_layer: Callable[[int, SourceAttention, LayerStats], MLALayer],
     *,
     propagate: str = "original",
+    fit_ids: torch.Tensor | None = None,
+    fit_layer: Callable[[int, MLALayer, torch.Tensor, torch.Tensor], MLALayer] | None = None,
     pair_norms: bool = False,
     device: str = "cpu",
     batch_size: int = 8,
@@ -118,6 +120,10 @@ def calibrated_layers(
 
     calib_ids [N, T]. propagate: the hidden states fed to layer i+1 come from the original
     layer i ("original") or from its converted MLA form ("converted").
+    fit_ids [N', T'] and fit_layer: after converting layer i, fit_layer(i, layer, x, z) returns the
+    layer to keep, x [N', T', D] being the attention input of the fit sequences (propagated like the
+    calibration tokens) and z the source attention's output on x (output_fit.py). It runs outside
+    inference mode (it may train), on float32 copies.
     """
     if propagate not in PROPAGATIONS:
         raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
@@ -132,6 +138,12 @@ def calibrated_layers(
         hidden = F.embedding(ids, reader.get(family.embed_name).float().to(device))  # [N, T, D]
         cos, sin = _rope_cos_sin(config, ids.shape[1], device)
         position_ids = torch.arange(ids.shape[1], device=device)[None]
+        streams = [(hidden, cos, sin, position_ids)]
+        if fit_layer is not None:
+            fit_ids = fit_ids.to(device)
+            fit_hidden = F.embedding(fit_ids, reader.get(family.embed_name).float().to(device))  # [N', T', D]
+            fit_cos, fit_sin = _rope_cos_sin(config, fit_ids.shape[1], device)
+            streams.append((fit_hidden, fit_cos, fit_sin, torch.arange(fit_ids.shape[1], device=device)[None]))
         for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
             layer = _load_decoder_layer(reader, config, i, device)
             src = read_source_attention(reader, config, i)
@@ -141,15 +153,27 @@ def calibrated_layers(
             stats = acc.result()
             require_finite(stats.gram, f"layer {i}'s calibration statistics")
             converted = convert_layer(i, src, stats)
+            if fit_layer is not None:
+                x, z = _source_attention_io(layer, *streams[1], batch_size)
+                with torch.inference_mode(False):
+                    converted = fit_layer(i, converted, x.clone(), z.clone())
             yield converted
             if propagate == "converted":
-                layer.self_attn = _mla_attention(config, converted, device)
-            for start in range(0, hidden.shape[0], batch_size):
-                h = hidden[start : start + batch_size]
-                out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
-                hidden[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
+                layer.self_attn = mla_attention(config, converted, device)
+            for h_all, h_cos, h_sin, h_pos in streams:
+                for start in range(0, h_all.shape[0], batch_size):
+                    h = h_all[start : start + batch_size]
+                    out = layer(h, attention_mask=None, position_ids=h_pos, position_embeddings=(h_cos, h_sin))
+                    h_all[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
             del layer
 
+
+def _source_attention_io(layer, hidden, cos, sin, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D]."""
+    x = torch.cat([layer.input_layernorm(hidden[s : s + batch_size]) for s in range(0, hidden.shape[0], batch_size)])
+    z = torch.cat([layer.self_attn(x[s : s + batch_size], position_embeddings=(cos, sin), attention_mask=None,
+                                   position_ids=position_ids)[0] for s in range(0, x.shape[0], batch_size)])
+    return x, z
 
 def collect_layer_stats(
     source_dir: Path, config, calib_ids: torch.Tensor, *, pair_norms: bool = False, device: str = "cpu",

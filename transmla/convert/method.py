@@ -42,6 +42,7 @@ class ConversionMethod:
     Options: ClassVar[type] = NoOptions  # its settings (a dataclass; fields default to the method's defaults)
     default_calibration: ClassVar[tuple[int, int]] = (2048, 16)  # sequences x tokens per sequence
     default_propagate: ClassVar[str] = "original"  # calibrate later layers on the original model
+    default_fit_steps: ClassVar[int] = 0  # output-aware fit (output_fit.py): Adam steps per layer, 0 = off
 
     def plan(self, geometry: AttentionGeometry, options: Any) -> Any:
         """Every choice of one conversion of a source with this geometry; ValueError for bad settings."""

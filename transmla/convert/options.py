@@ -47,9 +47,16 @@ class CalibrationOptions:
         "better for transmla, and as published for mha2mla)."
     )
     device: str = option("auto", "auto | cpu | cuda, for the conversion math.")
+    fit_steps: int | None = option(
+        None, "Output-aware fit after converting each layer: the layer's projections fitted to the source "
+        "attention's output on calibration text (o_proj in closed form, then this many Adam steps). Default: "
+        "the method's own (100 for transmla, 0 for mha2mla); 0 turns it off.",
+    )
 
     def __post_init__(self) -> None:
         pick_device(self.device)  # cuda without a GPU fails here, before any work (every method)
+        if self.fit_steps is not None and self.fit_steps < 0:
+            raise ValueError(f"fit_steps must be 0 (off) or positive, got {self.fit_steps}")
         if self.propagate is not None and self.propagate not in PROPAGATIONS:
             raise ValueError(f"propagate must be one of {', '.join(PROPAGATIONS)}, got {self.propagate!r}")
         for name in ("calib_samples", "calib_seq_len"):

@@ -22,12 +22,13 @@ from ..dtypes import torch_dtype
 from ..families import attention_geometry, family_for
 from ..mla.config import MLAConfig
 from ..mla.model import mla_config_for
-from ..progress import progress_bar
+from ..progress import progress_bar, stderr_console
 from .assemble import mla_config
 from .calibrate import calibrated_layers
 from .layers import MLALayer, SourceAttention, source_layers
 from .method import ConversionMethod
 from .options import ConvertOptions
+from .output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, fit_layer
 
 
 @dataclass
@@ -55,16 +56,32 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
     return calibration_chunks(tokenizer, text, samples, seq_len, seed)
 
 
+def fit_sequences(source_dir: Path, text: str, seed: int) -> torch.Tensor:
+    """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or as many
+    sequences of that length as a short text has (halving the count until they fit)."""
+    samples, seq_len = DEFAULT_FIT_CALIBRATION
+    while True:
+        try:
+            return calibration_ids(source_dir, text, samples, seq_len, seed)
+        except ValueError:
+            if samples == 1:
+                raise
+            samples //= 2
+
+
 class LayerStream:
     """One method's converted layers, in order, computed one at a time while iterated.
 
     calib_ids [N, T] replaces the calibration text of the options, and `plan` the plan the method
-    derives from them (tests, benchmarks). keep_stages: also keep every layer's intermediate forms
-    (method.stage_layers) in `stages`. After the iteration `record()` describes the conversion.
+    derives from them (tests, benchmarks); likewise fit_ids [N', T'] the output-aware fit's sequences
+    (default: calib_ids when given, else other sequences of the calibration text) and `fit` its settings (None: from the options; FitSettings(steps=0) is the closed-form o_proj
+    alone). keep_stages: also keep every layer's intermediate forms (method.stage_layers) in `stages`.
+    After the iteration `record()` describes the conversion.
     """
 
     def __init__(self, method: ConversionMethod, source_dir: Path, config, options: ConvertOptions, *,
-                 progress: bool = True, calib_ids: torch.Tensor | None = None, plan=None, keep_stages: bool = False):
+                 progress: bool = True, calib_ids: torch.Tensor | None = None, plan=None, keep_stages: bool = False,
+                 fit_ids: torch.Tensor | None = None, fit: FitSettings | None = None):
         self.method, self.source_dir, self.config, self.progress = method, Path(source_dir), config, progress
         self.geometry = attention_geometry(config)
         self.plan = plan if plan is not None else method.plan(self.geometry, options.settings)
@@ -73,7 +90,7 @@ class LayerStream:
         self.infos: list[dict] = []
         self.stages: dict[str, list[MLALayer]] = {}
         self.calibration: dict | None = None
-        self.calib_ids = None
+        self.calib_ids = self.fit_ids = None
         cal = options.calibration
         self.device = cal.resolved_device()
         self.propagate = cal.propagate or method.default_propagate
@@ -86,6 +103,18 @@ class LayerStream:
                 self.calibration = {"ids": list(calib_ids.shape)}
             self.calibration |= {"tokens": int(calib_ids.numel()), "propagate": self.propagate}
             self.calib_ids = calib_ids
+        steps = cal.fit_steps if cal.fit_steps is not None else method.default_fit_steps
+        self.fit = fit if fit is not None else (FitSettings(steps=steps, seed=cal.seed) if steps else None)
+        if self.fit is not None and self.needs.calibration:
+            if fit_ids is None and self.calibration.get("text") is None:  # calib_ids were given: fit on them
+                fit_ids = self.calib_ids
+            elif fit_ids is None:  # other sequences of the calibration text than the statistics'
+                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1)
+            self.fit_ids = fit_ids
+            self.calibration["fit"] = {"steps": self.fit.steps, "lr": self.fit.lr, "closed_form": self.fit.closed_form,
+                                       "sequences": list(fit_ids.shape)}
+        elif self.fit is not None and cal.fit_steps:
+            raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
 
     def _convert(self, index: int, src: SourceAttention, stats) -> MLALayer:
         layer, info = self.method.convert_layer(self.plan, src, stats)
@@ -95,17 +124,28 @@ class LayerStream:
                 self.stages.setdefault(name, []).append(staged)
         return layer
 
+    def _fit(self, index: int, layer: MLALayer, x: torch.Tensor, z: torch.Tensor) -> MLALayer:
+        layer, info = fit_layer(self.config, layer, x, z, self.fit)
+        self.infos[index] = {**self.infos[index], **info}
+        return layer
+
     def __iter__(self) -> Iterator[MLALayer]:
         start = time.perf_counter()
         if self.needs.calibration:
             yield from calibrated_layers(
                 self.source_dir, self.config, self.calib_ids, self._convert, propagate=self.propagate,
                 pair_norms=self.needs.pair_norms, device=self.device, progress=self.progress,
+                fit_ids=self.fit_ids, fit_layer=self._fit if self.fit_ids is not None else None,
             )
         else:
             for i, src in enumerate(source_layers(self.source_dir, self.config)):
                 yield self._convert(i, src, None)
         self.method.summarize(self.geometry, self.plan, self.infos, time.perf_counter() - start)
+        errors = [info["output_error"] for info in self.infos if "output_error" in info]
+        if errors:
+            before, after = (sum(e[k] for e in errors) / len(errors) for k in (0, 1))
+            stderr_console.print(f"output-aware fit ({self.fit.steps} steps per layer): mean relative attention-output "
+                                 f"error {before:.3f} -> {after:.3f}")
 
     def record(self) -> dict:
         """The method's part of config.json's "mla.method" block."""

@@ -51,6 +51,9 @@ DEFAULT_PROPAGATE = "original"
 # (benchmarks/results/transmla_bench.md, dev32).
 DEFAULT_CALIBRATION = (2048, 16)
 FOLD_RULES = ("auto", "logit")
+# The output-aware fit after each layer's conversion (output_fit.py), chosen on dev32
+# (benchmarks/results/output_fit.md).
+DEFAULT_FIT_STEPS = 100
 
 
 @dataclass
@@ -327,6 +330,7 @@ class TransMLA(ConversionMethod):
     Options = TransMLAOptions
     default_calibration = DEFAULT_CALIBRATION
     default_propagate = DEFAULT_PROPAGATE
+    default_fit_steps = DEFAULT_FIT_STEPS
 
     def plan(self, geometry: AttentionGeometry, options: TransMLAOptions) -> TransMLAPlan:
         return plan_from_options(options, geometry)

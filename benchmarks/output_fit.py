@@ -1,0 +1,208 @@
+"""The output-aware fit (issue 18) on the built-in SmolLM2-135M: the ablation on dev windows, then the
+chosen default on the test windows and on two held-out domains.
+
+    .venv/bin/python -m benchmarks.output_fit             # every setting not yet in the JSON, then the report
+    .venv/bin/python -m benchmarks.output_fit --report    # only rewrite the table
+
+Shapes: "export" = the exportable ones (`--shared-rope`: one rope grid and one rank in every layer, what
+`--format deepseek` and llama.cpp take) and "native" = today's unconstrained defaults, at 50/25/12.5% of
+the source cache. Settings, each on top of the previous (the ablation):
+- method: TransMLA with the CLI defaults (2048 x 16 calibration, original propagation), no fit;
+- o_proj: + o_proj fitted in closed form to the source attention's output (output_fit.refit_o_proj);
+- fit-N: + N Adam steps per layer on every projection, then o_proj in closed form again (the CLI
+  default is fit-100, `--fit-steps`).
+The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 256 x 64 tokens of the
+wiki calibration part drawn with seed 1 from everything before the dev windows (the CLI draws from the
+whole part; here the dev windows are never fitted on).
+Dev: dev32 (16 wiki + 16 lee windows of 512, smollm2.Bench; pooled perplexity chooses). Final, for the
+chosen setting only: wiki-test 32 and 64 windows, lee-test (29), and 16 windows of two domains nobody
+calibrates on (calib_mix.held_out_texts: Python stdlib modules n..z, Debian's licence texts).
+
+Writes benchmarks/results/output_fit.json (resumable) and output_fit.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from transmla.convert.calibrate import calibrated_layers
+from transmla.convert.output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, fit_layer
+from transmla.convert.transmla.method import DEFAULT_FIT_STEPS, shared_rope_plan
+from transmla.data.texts import load_text
+from transmla.eval.perplexity import perplexity, tokenize_text
+
+from .calib_mix import held_out_texts
+from .common import RESULTS, ResultCache, log, machine
+from .smollm2 import DEV_WINDOWS, SEQ, Bench, cli_defaults, ours_plan
+
+OUT_JSON = RESULTS / "output_fit.json"
+OUT_MD = RESULTS / "output_fit.md"
+BUDGETS = ("50%", "25%", "12.5%")
+SHAPES = ("export", "native")
+DEFAULT = f"fit-{DEFAULT_FIT_STEPS}"
+HELD_OUT_WINDOWS = 16
+
+
+def settings() -> list[tuple[str, str, str]]:
+    """(shape, budget, setting) in the order they run: the ablation, then the step count at 25%."""
+    out = []
+    for budget in BUDGETS:
+        out += [("export", budget, s) for s in ("method", "o_proj", DEFAULT)]
+        out += [("native", budget, s) for s in ("method", DEFAULT)]
+    out += [("export", "25%", s) for s in ("fit-50", "fit-200")]
+    return out
+
+
+def fit_of(setting: str) -> FitSettings | None:
+    if setting == "method":
+        return None
+    if setting == "o_proj":
+        return FitSettings(steps=0)
+    return FitSettings(steps=int(setting.split("-")[1]))
+
+
+def fit_ids(b: Bench) -> torch.Tensor:
+    """256 x 64 tokens of the wiki calibration part before the dev windows, seed 1."""
+    n, t = DEFAULT_FIT_CALIBRATION
+    ids = tokenize_text(b.tok, load_text("wiki", "calib"))[: -DEV_WINDOWS * SEQ]
+    chunks = ids[: ids.numel() // t * t].view(-1, t)
+    pick = torch.randperm(chunks.shape[0], generator=torch.Generator().manual_seed(1))[:n].sort().values
+    return chunks[pick].clone()
+
+
+def method_layers(b: Bench, shape: str, budget: str):
+    calib, propagate = cli_defaults()
+    assert propagate == "original"
+    plan = ours_plan(budget)
+    if shape == "export":
+        plan = shared_rope_plan(plan, b.config.head_dim)
+    return b.layers_original(plan, b.original_stats(*calib))[0]
+
+
+def fitted_layers(b: Bench, layers, fit: FitSettings) -> tuple[list, list[dict]]:
+    """`layers` fitted layer by layer as `transmla convert` does (calibrated_layers with a fit_layer),
+    original propagation; the statistics stream is one sequence (unused: the layers are given)."""
+    ids = fit_ids(b)
+    infos: list[dict] = []
+
+    def fit_one(i, layer, x, z):
+        fitted, info = fit_layer(b.config, layer, x, z, fit)
+        infos.append(info)
+        return fitted
+
+    out = list(calibrated_layers(b.src_dir, b.config, ids[:1], lambda i, src, stats: layers[i],
+                                 fit_ids=ids, fit_layer=fit_one, progress=False))
+    return out, infos
+
+
+def build(b: Bench, shape: str, budget: str, setting: str):
+    layers = method_layers(b, shape, budget)
+    fit = fit_of(setting)
+    if fit is None:
+        return layers, {}
+    start = time.perf_counter()
+    layers, infos = fitted_layers(b, layers, fit)
+    errors = [i["output_error"] for i in infos]
+    return layers, {
+        "fit_seconds": time.perf_counter() - start,
+        "mean_output_error": [sum(e[k] for e in errors) / len(errors) for k in (0, 1)],
+    }
+
+
+def held_out(b: Bench, model) -> dict:
+    out = {}
+    for name in ("code", "licences"):
+        ids = tokenize_text(b.tok, held_out_texts()[name].read_text(encoding="utf-8"))
+        out[name] = perplexity(model, ids, SEQ, max_windows=HELD_OUT_WINDOWS, progress=False).perplexity
+    return out
+
+
+def run(b: Bench, cache: ResultCache) -> None:
+    torch.manual_seed(0)
+    if "source" not in cache.results:
+        model = b.source_model()
+        cache.results["source"] = {"dev32": b.dev32_ppl(model), "final": b.final_ppl(model), "held_out": held_out(b, model)}
+        cache.save()
+    for shape, budget, setting in settings():
+        key = f"{shape}/{budget}/{setting}"
+        final = setting == DEFAULT or (setting == "method" and shape == "export" and budget == "25%")
+        row = cache.results.get(key, {})
+        if "dev32" in row and (not final or "final" in row):
+            continue
+        log(f"{key}")
+        layers, info = build(b, shape, budget, setting)
+        model = b.model(layers)
+        row = {**row, **info, "dev32": b.dev32_ppl(model)}
+        if final:
+            row |= {"final": b.final_ppl(model), "held_out": held_out(b, model)}
+        cache.results[key] = row
+        cache.save()
+        log(f"{key}: dev32 {row['dev32']['ppl']:.2f}" + (f", wiki-test-32 {row['final']['wiki_test_32']:.2f}" if final else ""))
+
+
+def _x(value: float, source: float) -> str:
+    return f"{value:.2f} ({value / source:.2f}x)"
+
+
+def report(results: dict) -> str:
+    src = results["source"]
+    lines = [
+        "# Output-aware fit on SmolLM2-135M (issue 18; training-free, fp32)",
+        "",
+        f"Machine: {results.get('machine', '?')}. Re-run: `python -m benchmarks.output_fit` (see its docstring).",
+        "",
+        f"## Ablation on dev32 (16 wiki + 16 lee windows of 512; pooled perplexity; source {src['dev32']['ppl']:.2f})",
+        "",
+        "| shape | cache | setting | dev32 | wiki-dev | lee-dev | attention-output error (fit tokens) before -> after | fit s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, budget, setting in settings():
+        row = results.get(f"{shape}/{budget}/{setting}")
+        if not row:
+            continue
+        d = row["dev32"]
+        err = row.get("mean_output_error")
+        err_s = f"{err[0]:.3f} -> {err[1]:.3f}" if err else "-"
+        secs = f"{row['fit_seconds']:.0f}" if "fit_seconds" in row else "-"
+        lines.append(f"| {shape} | {budget} | {setting} | {_x(d['ppl'], src['dev32']['ppl'])} | {d['wiki']:.2f} | "
+                     f"{d['lee']:.2f} | {err_s} | {secs} |")
+    lines += [
+        "",
+        f"## Test windows and held-out domains ({DEFAULT}, the CLI default; source in the first row)",
+        "",
+        "| shape | cache | setting | wiki-test 32 | wiki-test 64 | lee-test | code (16) | licences (16) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| source | 100% | - | {src['final']['wiki_test_32']:.2f} | {src['final']['wiki_test_64']:.2f} | "
+        f"{src['final']['lee_test']:.2f} | {src['held_out']['code']:.2f} | {src['held_out']['licences']:.2f} |",
+    ]
+    for shape, budget, setting in settings():
+        row = results.get(f"{shape}/{budget}/{setting}")
+        if not row or "final" not in row:
+            continue
+        f, h, s = row["final"], row["held_out"], src["final"]
+        lines.append(
+            f"| {shape} | {budget} | {setting} | {_x(f['wiki_test_32'], s['wiki_test_32'])} | "
+            f"{_x(f['wiki_test_64'], s['wiki_test_64'])} | {_x(f['lee_test'], s['lee_test'])} | "
+            f"{_x(h['code'], src['held_out']['code'])} | {_x(h['licences'], src['held_out']['licences'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", action="store_true", help="only rewrite the table")
+    args = parser.parse_args(argv)
+    cache = ResultCache(OUT_JSON)
+    if not args.report:
+        cache.results["machine"] = machine()
+        run(Bench(), cache)
+    OUT_MD.write_text(report(cache.results))
+    print(OUT_MD.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
