@@ -10,7 +10,8 @@ the source cache. Settings, each on top of the previous (the ablation):
 - method: TransMLA with the CLI defaults (2048 x 16 calibration, original propagation), no fit;
 - o_proj: + o_proj fitted in closed form to the source attention's output (output_fit.refit_o_proj);
 - fit-N: + N Adam steps per layer on every projection, then o_proj in closed form again (the CLI
-  default is fit-100, `--fit-steps`).
+  default is fit-100, `--fit-steps`; its learning rate, sequence shape and propagation were chosen on
+  dev32 at 25% in the exportable shape, DEV_CHOICES).
 The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 256 x 64 tokens of the
 wiki calibration part drawn with seed 1 from everything before the dev windows (the CLI draws from the
 whole part; here the dev windows are never fitted on).
@@ -46,13 +47,26 @@ DEFAULT = f"fit-{DEFAULT_FIT_STEPS}"
 HELD_OUT_WINDOWS = 16
 
 
+# How the fit itself was set, on dev32 at 25% in the exportable shape (method alone: 114.29), by an
+# exploratory script of the same algorithm before it moved into output_fit.py (not kept): the
+# choices are the rows marked "chosen". (setting, dev32 pooled, wiki-dev, lee-dev)
+DEV_CHOICES = [
+    ("o_proj closed form only, 256 x 64 fit tokens", 68.51, 53.53, 87.69),
+    ("+ 100 Adam steps, lr 1e-3, inputs from the original layers", 53.70, 41.74, 69.09),
+    ("+ 100 Adam steps, lr 1e-3, inputs from the converted layers", 55.44, 44.10, 69.68),
+    ("+ 100 Adam steps, lr 3e-3, o_proj closed form again after Adam (chosen)", 53.24, 41.49, 68.31),
+    ("the same on 64 x 256 fit tokens instead of 256 x 64", 54.41, 44.87, 65.97),
+]
+
+
 def settings() -> list[tuple[str, str, str]]:
-    """(shape, budget, setting) in the order they run: the ablation, then the step count at 25%."""
+    """(shape, budget, setting) in the order they run: the exportable ablation at every budget first
+    (the goals are stated for those shapes), then the native defaults."""
     out = []
     for budget in BUDGETS:
         out += [("export", budget, s) for s in ("method", "o_proj", DEFAULT)]
+    for budget in ("25%", "50%", "12.5%"):
         out += [("native", budget, s) for s in ("method", DEFAULT)]
-    out += [("export", "25%", s) for s in ("fit-50", "fit-200")]
     return out
 
 
@@ -169,6 +183,15 @@ def report(results: dict) -> str:
         secs = f"{row['fit_seconds']:.0f}" if "fit_seconds" in row else "-"
         lines.append(f"| {shape} | {budget} | {setting} | {_x(d['ppl'], src['dev32']['ppl'])} | {d['wiki']:.2f} | "
                      f"{d['lee']:.2f} | {err_s} | {secs} |")
+    lines += [
+        "",
+        "How the fit was set (dev32, 25%, exportable shape; an exploratory script of the same algorithm, "
+        "method alone 114.29):",
+        "",
+        "| setting | dev32 | wiki-dev | lee-dev |",
+        "|---|---|---|---|",
+        *[f"| {name} | {p:.2f} | {w:.2f} | {l:.2f} |" for name, p, w, l in DEV_CHOICES],
+    ]
     lines += [
         "",
         f"## Test windows and held-out domains ({DEFAULT}, the CLI default; source in the first row)",
