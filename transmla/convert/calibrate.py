@@ -175,6 +175,7 @@ def _source_attention_io(layer, hidden, cos, sin, position_ids, batch_size: int)
                                    position_ids=position_ids)[0] for s in range(0, x.shape[0], batch_size)])
     return x, z
 
+
 def collect_layer_stats(
     source_dir: Path, config, calib_ids: torch.Tensor, *, pair_norms: bool = False, device: str = "cpu",
     batch_size: int = 8, progress: bool = True,

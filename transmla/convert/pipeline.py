@@ -74,8 +74,9 @@ class LayerStream:
 
     calib_ids [N, T] replaces the calibration text of the options, and `plan` the plan the method
     derives from them (tests, benchmarks); likewise fit_ids [N', T'] the output-aware fit's sequences
-    (default: calib_ids when given, else other sequences of the calibration text) and `fit` its settings (None: from the options; FitSettings(steps=0) is the closed-form o_proj
-    alone). keep_stages: also keep every layer's intermediate forms (method.stage_layers) in `stages`.
+    (default: calib_ids when given, else other sequences of the calibration text) and `fit` its
+    settings (None: from the options; FitSettings(steps=0) is the closed-form o_proj alone).
+    keep_stages: also keep every layer's intermediate forms (method.stage_layers) in `stages`.
     After the iteration `record()` describes the conversion.
     """
 
