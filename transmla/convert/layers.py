@@ -4,7 +4,7 @@ the source layers read from a checkpoint one at a time."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,22 +68,33 @@ class MLALayer:
     q_a_proj: torch.Tensor | None = None  # [d_q, D]
     q_b_proj: torch.Tensor | None = None  # [H*(d_nope+d_r), d_q]
 
-    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Tensors named as MLAAttention's parameters under `prefix` (e.g. model.layers.0.self_attn.)."""
+    def _parameter_fields(self) -> dict[str, str]:
+        """MLAAttention's parameter name -> this dataclass's field, for this layer's query form."""
         names = {
-            "kv_a_proj.weight": self.kv_a_proj,
-            "kv_a_proj.bias": self.kv_a_bias,
-            "kv_a_norm.weight": self.kv_a_norm,
-            "kv_b_proj.weight": self.kv_b_proj,
-            "kv_b_proj.bias": self.kv_b_bias,
-            "o_proj.weight": self.o_proj,
-            "o_proj.bias": self.o_bias,
+            "kv_a_proj.weight": "kv_a_proj",
+            "kv_a_proj.bias": "kv_a_bias",
+            "kv_a_norm.weight": "kv_a_norm",
+            "kv_b_proj.weight": "kv_b_proj",
+            "kv_b_proj.bias": "kv_b_bias",
+            "o_proj.weight": "o_proj",
+            "o_proj.bias": "o_bias",
         }
         if self.q_a_proj is not None:
-            names.update({"q_a_proj.weight": self.q_a_proj, "q_b_proj.weight": self.q_b_proj, "q_b_proj.bias": self.q_bias})
+            names.update({"q_a_proj.weight": "q_a_proj", "q_b_proj.weight": "q_b_proj", "q_b_proj.bias": "q_bias"})
         else:
-            names.update({"q_proj.weight": self.q_proj, "q_proj.bias": self.q_bias})
-        return {prefix + k: v for k, v in names.items() if v is not None}
+            names.update({"q_proj.weight": "q_proj", "q_proj.bias": "q_bias"})
+        return names
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Tensors named as MLAAttention's parameters under `prefix` (e.g. model.layers.0.self_attn.)."""
+        tensors = {k: getattr(self, f) for k, f in self._parameter_fields().items()}
+        return {prefix + k: v for k, v in tensors.items() if v is not None}
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> "MLALayer":
+        """A copy whose tensors are replaced by `tensors` (named as state_dict("") names them; each
+        cast to the dtype it replaces); the rope frequencies are kept."""
+        return replace(self, **{f: tensors[k].to(getattr(self, f).dtype)
+                                for k, f in self._parameter_fields().items() if getattr(self, f) is not None})
 
 
 def read_source_attention(reader: SafetensorsReader, config, layer: int) -> SourceAttention:

@@ -20,7 +20,7 @@ built-in model: benchmarks/results/output_fit.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -128,18 +128,8 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
 
 
 def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
-    """`base` with every projection replaced by attn's (the inverse of MLALayer.state_dict)."""
-    sd = {k: v.detach().clone() for k, v in attn.state_dict().items()}
-    fields = {
-        "kv_a_proj": "kv_a_proj.weight", "kv_a_bias": "kv_a_proj.bias", "kv_a_norm": "kv_a_norm.weight",
-        "kv_b_proj": "kv_b_proj.weight", "kv_b_bias": "kv_b_proj.bias", "o_proj": "o_proj.weight",
-        "o_bias": "o_proj.bias",
-    }
-    if base.q_a_proj is not None:
-        fields |= {"q_a_proj": "q_a_proj.weight", "q_b_proj": "q_b_proj.weight", "q_bias": "q_b_proj.bias"}
-    else:
-        fields |= {"q_proj": "q_proj.weight", "q_bias": "q_proj.bias"}
-    return replace(base, **{f: sd[k].to(getattr(base, f).dtype) for f, k in fields.items() if getattr(base, f) is not None})
+    """`base` with every projection replaced by attn's."""
+    return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
 __all__ = ["DEFAULT_FIT_CALIBRATION", "FitSettings", "fit_layer", "layer_of", "output_error", "refit_o_proj"]
