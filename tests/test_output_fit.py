@@ -17,7 +17,7 @@ from transmla.convert.output_fit import FitSettings, fit_layer, refit_o_proj
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
 from transmla.convert.registry import get_method
 from transmla.convert.replicate import replicate
-from transmla.convert.transmla.method import TransMLAPlan
+from transmla.convert.transmla.method import DEFAULT_FIT_STEPS, TransMLAPlan
 
 PLAN = TransMLAPlan(kv_lora_rank=4, rope_dim=4, freqfold="auto")  # tiny models: 2 KV heads of 8 -> 8 of 32
 # 2048 fit tokens: the tiny layers have ~6K parameters, so fewer tokens overfit (256 did)
@@ -147,7 +147,7 @@ def test_fit_steps_defaults_and_errors(tiny_factory, cli, tmp_path):
     config = AutoConfig.from_pretrained(path)
     transmla = LayerStream(get_method("transmla"), path, config, ConvertOptions.of(method="transmla", device="cpu"),
                            progress=False, calib_ids=_ids(1, 4, 16), plan=PLAN)
-    assert transmla.fit == FitSettings(steps=100)
+    assert transmla.fit == FitSettings(steps=DEFAULT_FIT_STEPS) and DEFAULT_FIT_STEPS > 0
     mha2mla = ConvertOptions.of(method="mha2mla", kv_budget=0.5, device="cpu")
     assert LayerStream(get_method("mha2mla"), path, config, mha2mla, progress=False, calib_ids=_ids(1, 4, 16)).fit is None
     code, _, err = cli("convert", path, tmp_path / "a", "--method", "transmla", "--kv-budget", "0.5", "--fit-steps", "-1")

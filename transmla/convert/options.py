@@ -50,7 +50,7 @@ class CalibrationOptions:
     fit_steps: int | None = option(
         None, "Output-aware fit after converting each layer: the layer's projections fitted to the source "
         "attention's output on calibration text (o_proj in closed form, then this many Adam steps). Default: "
-        "the method's own (100 for transmla, 0 for mha2mla); 0 turns it off.",
+        "the method's own (200 for transmla, 0 for mha2mla); 0 turns it off.",
     )
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ DEFAULT_CALIBRATION = (2048, 16)
 FOLD_RULES = ("auto", "logit")
 # The output-aware fit after each layer's conversion (output_fit.py), chosen on dev32
 # (benchmarks/results/output_fit.md).
-DEFAULT_FIT_STEPS = 100
+DEFAULT_FIT_STEPS = 200
 
 
 @dataclass
