@@ -15,7 +15,7 @@ the code that is evaluated.
 The source model is evaluated on the same windows. No wiki or lee test windows are used here.
 
 The first rows were made before the output-aware fit existed (`--fit-steps 0` reproduces them); the
-rows marked fit-100 convert with the fit (the CLI default), and add lee-dev (the first 16 windows of
+rows marked fit-100 convert with the fit (100 steps, its first default), and add lee-dev (the first 16 windows of
 lee's calibration part; no mix here calibrates on lee, so the two dev texts make dev32, the dev set of
 benchmarks/smollm2.py). The rule to choose the default mix among the fit-100 rows, written before
 they were measured: a mix replaces wiki alone only if its dev32 (pooled wiki-dev + lee-dev) is at
@@ -40,7 +40,7 @@ from .common import RESULTS, ResultCache, log, machine, transmla_json
 
 SOURCE = "smollm2-135m"
 MIXES = ("wiki", "wiki=1,lee=1", "wiki=1,{code_calib}=1")  # {code_calib}: stdlib modules a..m
-FIT_STEPS = 100  # the fit-100 rows (the CLI default)
+FIT_STEPS = 100  # the fit-100 rows (the fit's first default; the CLI now runs 200)
 FIT_MIXES = ("wiki", "wiki=1,{code_calib}=1")
 WINDOWS = 16
 SEQ = 512

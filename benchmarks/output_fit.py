@@ -19,8 +19,8 @@ The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 
 wiki calibration part drawn with seed 1 from everything before the dev windows (the CLI draws from the
 whole part; here the dev windows are never fitted on).
 Dev: dev32 (16 wiki + 16 lee windows of 512, smollm2.Bench; pooled perplexity chooses). Final, for the
-two defaults (fit-100, then fit-200) only: wiki-test 32 and 64 windows, lee-test (29), and 16 windows of two domains nobody
-calibrates on (calib_mix.held_out_texts: Python stdlib modules n..z, Debian's licence texts).
+two defaults (fit-100, then fit-200) only: wiki-test 32 and 64 windows, lee-test (29), and 16 windows
+of two domains nobody calibrates on (calib_mix.held_out_texts: Python stdlib modules n..z, Debian's licence texts).
 
 Writes benchmarks/results/output_fit.json (resumable) and output_fit.md.
 """
@@ -167,6 +167,7 @@ def run(b: Bench, cache: ResultCache, only: set[str] | None = None) -> None:
 # Qwen2.5-1.5B's attention shapes (the real model: benchmarks/qwen2_1p5b.py), on one random layer.
 QWEN2_1P5B_LAYER = dict(hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                         attention_bias=True, rope_theta=1e6, max_position_embeddings=32768)
+QWEN2_1P5B_LAYERS = 28
 
 
 def layer_cost(steps: int = DEFAULT_FIT_STEPS) -> dict:
@@ -264,7 +265,8 @@ def report(results: dict) -> str:
             f"Converting the layer: {cost['convert_seconds']:.0f} s; with the fit ({cost['steps']} steps): "
             f"{cost['convert_and_fit_seconds']:.0f} s, so the fit adds "
             f"{cost['convert_and_fit_seconds'] - cost['convert_seconds']:.0f} s a layer, "
-            f"{(cost['convert_and_fit_seconds'] - cost['convert_seconds']) * 28 / 60:.0f} min for the model's 28 layers.",
+            f"{(cost['convert_and_fit_seconds'] - cost['convert_seconds']) * QWEN2_1P5B_LAYERS / 60:.0f} min for the model's "
+            f"{QWEN2_1P5B_LAYERS} layers.",
         ]
     return "\n".join(lines) + "\n"
 
