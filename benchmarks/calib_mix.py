@@ -41,7 +41,7 @@ from .common import RESULTS, ResultCache, log, machine, transmla_json
 SOURCE = "smollm2-135m"
 MIXES = ("wiki", "wiki=1,lee=1", "wiki=1,{code_calib}=1")  # {code_calib}: stdlib modules a..m
 FIT_STEPS = 100  # the fit-100 rows (the fit's first default; the CLI now runs 200)
-FIT_MIXES = ("wiki", "wiki=1,{code_calib}=1")
+FIT_MIXES = ("wiki", "wiki=1,{code_calib}=1", "wiki=3,{code_calib}=1")
 WINDOWS = 16
 SEQ = 512
 WORK = cache_root() / "bench-calib-mix"
@@ -97,7 +97,7 @@ def run(mix: str | None, texts: dict[str, Path], fit_steps: int = 0) -> dict:
     """Perplexity of the source (mix None) or of the 25% conversion calibrated on `mix`."""
     model = SOURCE
     if mix is not None:
-        model = str(WORK / f"transmla-25-mix{MIXES.index(mix)}-fit{fit_steps}")
+        model = str(WORK / f"transmla-25-mix{list(dict.fromkeys(MIXES + FIT_MIXES)).index(mix)}-fit{fit_steps}")
         calib = mix.format(code_calib=texts["code_calib"])
         log(f"converting with --calib {calib} --fit-steps {fit_steps}")
         transmla_json("convert", SOURCE, model, "--method", "transmla", "--kv-budget", "0.25", "--calib", calib,
