@@ -29,7 +29,6 @@ Writes benchmarks/results/calib_mix.json (resumable) and calib_mix.md.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import sysconfig
 from pathlib import Path
@@ -77,16 +76,16 @@ def dev_windows(model: str) -> dict[str, float]:
     from transmla.checkpoint.resolve import resolve_model_dir
     from transmla.data.calib import tokenize_text
     from transmla.data.texts import load_text
-    from transmla.eval.perplexity import perplexity
+
+    from .smollm2 import dev32_ppl
 
     folder = resolve_model_dir(model)
     tok = AutoTokenizer.from_pretrained(folder)
     wiki = tokenize_text(tok, load_text("wiki", "calib"))[-WINDOWS * SEQ :]
     lee = tokenize_text(tok, load_text("lee", "calib"))[: WINDOWS * SEQ]
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    res = {name: perplexity(m, ids, SEQ, progress=False) for name, ids in (("wiki", wiki), ("lee", lee))}
-    pooled = sum(r.nll * r.tokens for r in res.values()) / sum(r.tokens for r in res.values())
-    return {"wiki": res["wiki"].perplexity, "lee": res["lee"].perplexity, "dev32": math.exp(pooled)}
+    res = dev32_ppl(m, {"wiki": wiki, "lee": lee})
+    return {"wiki": res["wiki"], "lee": res["lee"], "dev32": res["ppl"]}
 
 
 def key_of(mix: str, fit_steps: int) -> str:

@@ -45,6 +45,14 @@ PUBLISHED_CALIB = (128, 256, 42)
 DEV_WINDOWS = 16  # per text in the dev32 set
 
 
+def dev32_ppl(model, windows: dict[str, torch.Tensor]) -> dict:
+    """Perplexity on the dev32 windows ({text: ids}): each text ("wiki", "lee") and both together
+    ("ppl", pooled NLL)."""
+    res = {name: perplexity(model, ids, SEQ, progress=False) for name, ids in windows.items()}
+    pooled = sum(r.nll * r.tokens for r in res.values()) / sum(r.tokens for r in res.values())
+    return {"ppl": math.exp(pooled), **{name: r.perplexity for name, r in res.items()}}
+
+
 class Bench:
     def __init__(self) -> None:
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -157,10 +165,7 @@ class Bench:
         return perplexity(model, self.dev_ids, SEQ, progress=False).perplexity
 
     def dev32_ppl(self, model) -> dict:
-        """Perplexity on the dev32 windows: each text and both together (pooled NLL)."""
-        res = {name: perplexity(model, ids, SEQ, progress=False) for name, ids in self.dev32_ids.items()}
-        pooled = sum(r.nll * r.tokens for r in res.values()) / sum(r.tokens for r in res.values())
-        return {"ppl": math.exp(pooled), **{name: r.perplexity for name, r in res.items()}}
+        return dev32_ppl(model, self.dev32_ids)
 
     def final_ppl(self, model) -> dict:
         a = perplexity(model, self.wiki[: 32 * SEQ], SEQ, max_windows=32, progress=False)

@@ -134,16 +134,15 @@ def calibrated_layers(
         config._experts_implementation = "eager"  # a standalone MoE layer has no dispatch otherwise
     geo = attention_geometry(config)
     with torch.inference_mode(), SafetensorsReader(source_dir) as reader:
-        ids = calib_ids.to(device)
-        hidden = F.embedding(ids, reader.get(family.embed_name).float().to(device))  # [N, T, D]
-        cos, sin = _rope_cos_sin(config, ids.shape[1], device)
-        position_ids = torch.arange(ids.shape[1], device=device)[None]
-        streams = [(hidden, cos, sin, position_ids)]
-        if fit_layer is not None:
-            fit_ids = fit_ids.to(device)
-            fit_hidden = F.embedding(fit_ids, reader.get(family.embed_name).float().to(device))  # [N', T', D]
-            fit_cos, fit_sin = _rope_cos_sin(config, fit_ids.shape[1], device)
-            streams.append((fit_hidden, fit_cos, fit_sin, torch.arange(fit_ids.shape[1], device=device)[None]))
+        embed = reader.get(family.embed_name).float().to(device)  # [V, D], read once for every stream
+        streams = []  # (hidden [N, T, D], cos, sin, position_ids): the calibration sequences, then the fit's
+        for token_ids in [calib_ids] + ([fit_ids] if fit_layer is not None else []):
+            token_ids = token_ids.to(device)
+            cos, sin = _rope_cos_sin(config, token_ids.shape[1], device)
+            position_ids = torch.arange(token_ids.shape[1], device=device)[None]
+            streams.append((F.embedding(token_ids, embed), cos, sin, position_ids))
+        del embed
+        hidden = streams[0][0]  # the statistics' stream
         for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
             layer = _load_decoder_layer(reader, config, i, device)
             src = read_source_attention(reader, config, i)

@@ -37,7 +37,7 @@ DEFAULT_FIT_CALIBRATION = (256, 64)
 
 @dataclass(frozen=True)
 class FitSettings:
-    steps: int = 100  # Adam steps per layer (0: the closed-form o_proj only)
+    steps: int  # Adam steps per layer (0: the closed-form o_proj only); the default is the method's (default_fit_steps)
     lr: float = 3e-3
     closed_form: bool = True  # o_proj in closed form before and after Adam
     seed: int = 0
