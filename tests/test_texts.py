@@ -37,6 +37,20 @@ def test_lee_text():
     assert whole.startswith("Hundreds of people")
 
 
+def test_code_text_splits_by_module():
+    import sysconfig
+    from pathlib import Path
+
+    calib, ev, whole = (builtin_text("code", p) for p in ("calib", "eval", "all"))
+    assert calib + ev == whole
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    # each module sits whole in exactly one part: abc.py (a..m) calibrates, string.py (n..z) evaluates
+    abc_src, string_src = ((stdlib / n).read_text(encoding="utf-8") for n in ("abc.py", "string.py"))
+    assert abc_src in calib and abc_src not in ev
+    assert string_src in ev and string_src not in calib
+    assert load_text("code") == ev and load_text("code", part="calib") == calib
+
+
 def test_builtin_cached():
     assert builtin_text("wiki", "eval") is builtin_text("wiki", "eval")
 

@@ -32,7 +32,7 @@ def check_kv_budget(kv_budget: float | None) -> None:
 
 @dataclass
 class CalibrationOptions:
-    calib: str = option("wiki", "Calibration text: wiki | lee | PATH | dataset name, or a mix of them with "
+    calib: str = option("wiki", "Calibration text: wiki | lee | code | PATH | dataset name, or a mix of them with "
                                 "relative weights of their sequences, e.g. wiki=3,lee=1,code.txt=1.")
     calib_samples: int | None = option(
         None, "Calibration sequences (default: the method's own, 2048 for transmla and mha2mla)."

@@ -4,9 +4,12 @@ Built-in texts (real English shipped inside ``gensim==4.4.0``, read by path):
 
 - ``wiki``: gensim's Wikipedia excerpt, cleaned by the ANCHORS.md protocol (see ``wiki_text``).
 - ``lee``: the Lee news corpus ``lee_background.cor`` (see ``lee_text``).
+- ``code``: the Python source of the running interpreter's standard library (see ``code_text``),
+  so that a coder model's calibration can see code without a download.
 
-Each built-in text is split by characters: the first 80% is the calibration part (``calib``),
-the last 20% the evaluation part (``eval``); ``calib + eval == all`` and they never overlap.
+``wiki`` and ``lee`` are split by characters: the first 80% is the calibration part (``calib``),
+the last 20% the evaluation part (``eval``). ``code`` is split by module name: modules a..m
+calibrate, modules n..z evaluate. Always ``calib + eval == all`` and they never overlap.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import importlib.util
 import json
 import os
 import re
+import sysconfig
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Literal
@@ -26,6 +30,7 @@ __all__ = [
     "CALIB_FRACTION",
     "TextSourceError",
     "builtin_text",
+    "code_text",
     "gensim_test_data",
     "read_jsonl_rows",
     "lee_text",
@@ -36,13 +41,13 @@ __all__ = [
 
 Part = Literal["calib", "eval", "all"]
 PARTS: tuple[str, ...] = ("calib", "eval", "all")
-BUILTIN_TEXTS: tuple[str, ...] = ("wiki", "lee")
+BUILTIN_TEXTS: tuple[str, ...] = ("wiki", "lee", "code")
 CALIB_FRACTION = 0.8
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 LEE_FILE = "lee_background.cor"
 MIN_ARTICLE_WORDS = 200
 
-_OFFLINE_HINT = "offline choices: the built-in texts 'wiki', 'lee', or a local .txt/.jsonl file"
+_OFFLINE_HINT = "offline choices: the built-in texts 'wiki', 'lee', 'code', or a local .txt/.jsonl file"
 
 
 class TextSourceError(ValueError):
@@ -127,6 +132,31 @@ def lee_text() -> str:
     return "\n\n".join(line.strip() for line in raw.splitlines() if line.strip())
 
 
+# --- code ------------------------------------------------------------------------------------
+
+CODE_EVAL_FROM = "n"  # modules whose names sort before this letter calibrate, the rest evaluate
+_FILE_SEP = "\n\n"
+
+
+def _stdlib_modules() -> list[Path]:
+    """The top-level ``*.py`` modules of this interpreter's standard library, sorted by name."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(folder.glob("*.py"))
+    if not files:
+        raise TextSourceError(f"the built-in text 'code' reads the standard library, but {folder} has no .py files")
+    return files
+
+
+def code_text() -> tuple[str, str]:
+    """The built-in ``code`` text as (calib, eval): the standard library's modules a..m joined by blank
+    lines (ending with one) and modules n..z joined the same way. It depends on the Python version."""
+    read = lambda p: p.read_text(encoding="utf-8", errors="replace")  # noqa: E731
+    files = _stdlib_modules()
+    calib = [read(p) for p in files if p.name[0] < CODE_EVAL_FROM]
+    ev = [read(p) for p in files if p.name[0] >= CODE_EVAL_FROM]
+    return _FILE_SEP.join(calib) + _FILE_SEP, _FILE_SEP.join(ev)
+
+
 # --- parts -----------------------------------------------------------------------------------
 
 
@@ -139,16 +169,23 @@ def split_text(text: str, part: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_full(name: str) -> str:
-    return {"wiki": wiki_text, "lee": lee_text}[name]()
+def _builtin_parts(name: str) -> tuple[str, str]:
+    """(calib, eval) of a built-in text."""
+    if name == "code":
+        return code_text()
+    whole = {"wiki": wiki_text, "lee": lee_text}[name]()
+    return split_text(whole, "calib"), split_text(whole, "eval")
 
 
 @functools.lru_cache(maxsize=None)
 def builtin_text(name: str, part: Part = "eval") -> str:
-    """A part of a built-in text (``wiki`` or ``lee``), cached in memory."""
+    """A part of a built-in text (``wiki``, ``lee`` or ``code``), cached in memory."""
     if name not in BUILTIN_TEXTS:
         raise TextSourceError(f"unknown built-in text {name!r}; built-ins: {', '.join(BUILTIN_TEXTS)}")
-    return split_text(_builtin_full(name), part)
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    calib, ev = _builtin_parts(name)
+    return {"calib": calib, "eval": ev, "all": calib + ev}[part]
 
 
 # --- local files and datasets ----------------------------------------------------------------
@@ -233,7 +270,7 @@ def _load_dataset_text(spec: str, part: str, text_field: str) -> str:
 def load_text(spec: str, part: str = "eval", text_field: str = "text") -> str:
     """The text named by ``spec``.
 
-    - ``wiki`` / ``lee``: that part of the built-in text;
+    - ``wiki`` / ``lee`` / ``code``: that part of the built-in text;
     - a UTF-8 ``.jsonl`` file: its ``text_field`` values joined by blank lines (whole file);
     - any other existing file: read whole as UTF-8 (``part`` is ignored for files);
     - otherwise a Hugging Face datasets spec ``name[:config[:split]]``, e.g.

@@ -110,6 +110,8 @@ def protocol_info(result: PerplexityResult, data: str, text_field: str = "text")
 def describe_data(data: str) -> str:
     if data in ("wiki", "lee"):
         return f"{data!r}, the built-in evaluation part (last 20% of the characters, never used for calibration)"
+    if data == "code":
+        return "'code', the built-in evaluation part (standard-library modules n..z, never used for calibration)"
     return repr(data)
 
 

@@ -15,7 +15,7 @@ from ..schema import option
 class EvalSettings:
     """One protocol for every model of a report or sweep."""
 
-    data: str = option("wiki", "Evaluation text: wiki | lee (built-in evaluation parts), a .txt/.jsonl PATH, "
+    data: str = option("wiki", "Evaluation text: wiki | lee | code (built-in evaluation parts), a .txt/.jsonl PATH, "
                        "or a dataset name[:config[:split]].")
     text_field: str = option("text", "Field holding the text in JSONL / datasets.")
     seq_len: int = option(512, "Tokens per window.")

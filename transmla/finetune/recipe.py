@@ -79,7 +79,7 @@ class ModelSpec(_Strict):
 class DataSpec(_Strict):
     """Training and held-out text; documents are packed without attention across them."""
 
-    train: str = "wiki"  # built-in 'wiki'/'lee', a local .txt/.jsonl file, or a datasets spec
+    train: str = "wiki"  # built-in 'wiki'/'lee'/'code', a local .txt/.jsonl file, or a datasets spec
     train_part: Literal["calib", "eval", "all"] = "calib"  # which part of a built-in text
     text_field: str = "text"  # JSONL / datasets field
     # How a text splits into documents: "auto" (JSONL rows; else " = Title = " headings when the
