@@ -4,6 +4,8 @@ result cache, and the machine record (transmla.eval.report.environment) written 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -57,17 +59,26 @@ def save_json(path: Path, data: Any, *, indent: int = 1, sort_keys: bool = True,
 
 
 class ResultCache:
-    """Results by key in one JSON file; several processes may add to it (merged on save, ours win)."""
+    """Results by key in one JSON file; several processes may add to it. A save writes only the keys this
+    process set or changed over what was on disk (a stale copy of another process's key never wins)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.results: dict[str, Any] = load_json(path)
+        self._seen = self._snapshot(self.results)
+
+    @staticmethod
+    def _snapshot(results: dict[str, Any]) -> dict[str, str]:
+        return {k: json.dumps(v, sort_keys=True, default=str) for k, v in results.items()}
 
     def save(self) -> None:
-        merged = {**load_json(self.path), **self.results}
+        now = self._snapshot(self.results)
+        mine = {k: self.results[k] for k, v in now.items() if self._seen.get(k) != v}
+        merged = {**load_json(self.path), **mine}
         self.results.clear()
         self.results.update(merged)  # in place: callers may hold self.results
         save_json(self.path, self.results)
+        self._seen = self._snapshot(self.results)
 
     def cached(self, key: str, fn: Callable[[], Any]) -> Any:
         """fn()'s value under `key`, computed (and saved, with its seconds) only when missing."""
@@ -80,3 +91,24 @@ class ResultCache:
             self.save()
             log(f"{key}: {value}")
         return self.results[key]
+
+
+def measured(log_file: Path) -> dict:
+    """Peak RSS and wall time of a finished run from its /usr/bin/time -v log."""
+    text = log_file.read_text()
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
+    clock = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text).group(1)
+    seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(clock.split(":"))))
+    return {"peak_rss_gb": round(rss_kb / 1e6, 3), "wall_s": round(seconds, 1), "load_before": None, "load_after": None}
+
+
+def timed(cmd: list[str], log_file: Path) -> dict:
+    """Run `cmd` under /usr/bin/time -v; its peak RSS, wall time and the load around it."""
+    before = os.getloadavg()
+    start = time.perf_counter()
+    with open(log_file, "w") as f:
+        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {log_file}")
+    return measured(log_file) | {"wall_s": round(time.perf_counter() - start, 1),
+                                 "load_before": before, "load_after": os.getloadavg()}

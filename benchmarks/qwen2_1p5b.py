@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from transmla.checkpoint.resolve import cache_root
 
-from .common import TRANSMLA, RESULTS, ResultCache, log, machine, stock_perplexities, transmla_json
+from .common import TRANSMLA, RESULTS, ResultCache, log, machine, measured, stock_perplexities, timed, transmla_json
 
 MODEL = "qwen2.5-coder-1.5b"
 OUT_JSON = RESULTS / "qwen2_1p5b.json"
@@ -45,27 +42,6 @@ WORK = cache_root() / "bench-qwen2"
 TEXTS = ("wiki", "lee")
 SEQ = 512
 PROMPT = "def fibonacci(n):"
-
-
-def measured(log_file: Path) -> dict:
-    """Peak RSS and wall time of a finished run from its /usr/bin/time -v log."""
-    text = log_file.read_text()
-    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    clock = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text).group(1)
-    seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(clock.split(":"))))
-    return {"peak_rss_gb": round(rss_kb / 1e6, 3), "wall_s": round(seconds, 1), "load_before": None, "load_after": None}
-
-
-def timed(cmd: list[str], log_file: Path) -> dict:
-    """Run `cmd` under /usr/bin/time -v; its peak RSS, wall time and the load around it."""
-    before = os.getloadavg()
-    start = time.perf_counter()
-    with open(log_file, "w") as f:
-        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}); see {log_file}")
-    return measured(log_file) | {"wall_s": round(time.perf_counter() - start, 1),
-                                 "load_before": before, "load_after": os.getloadavg()}
 
 
 def convert(run: str) -> tuple[Path, dict | None]:

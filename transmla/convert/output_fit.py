@@ -39,6 +39,7 @@ DEFAULT_FIT_CALIBRATION = (256, 64)
 class FitSettings:
     steps: int  # Adam steps per layer (0: the closed-form o_proj only); the default is the method's (default_fit_steps)
     lr: float = 3e-3
+    cosine: bool = False  # learning rate decayed to 0 by a half cosine over the steps (else constant)
     closed_form: bool = True  # o_proj in closed form before and after Adam
     seed: int = 0
 
@@ -88,6 +89,7 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
     """Step 2: Adam on every parameter of `attn` against the relative squared output error, in place."""
     params = list(attn.parameters())
     opt = torch.optim.Adam(params, lr=settings.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, settings.steps) if settings.cosine else None
     gen = torch.Generator().manual_seed(settings.seed)
     scale = z.pow(2).mean()
     with torch.enable_grad():
@@ -97,6 +99,8 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if sched is not None:
+                sched.step()
     for p in params:
         p.requires_grad_(False)
 
