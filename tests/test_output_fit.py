@@ -18,6 +18,7 @@ from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
 from transmla.convert.registry import get_method
 from transmla.convert.replicate import replicate
 from transmla.convert.transmla.method import DEFAULT_FIT_STEPS, TransMLAPlan
+from transmla.dtypes import fast_bf16_matmul
 
 PLAN = TransMLAPlan(kv_lora_rank=4, rope_dim=4, freqfold="auto")  # tiny models: 2 KV heads of 8 -> 8 of 32
 # 2048 fit tokens: the tiny layers have ~6K parameters, so fewer tokens overfit (256 did)
@@ -54,8 +55,9 @@ def _relative_error(config, layer, x, z) -> float:
     return float((out - z).pow(2).sum() / z.pow(2).sum())
 
 
-@pytest.mark.parametrize("family,bias", [("llama", False), ("qwen2", True), ("llama", True)])
-def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bias):
+@pytest.mark.parametrize("family,bias,bf16", [("llama", False, False), ("qwen2", True, False), ("llama", True, False),
+                                              ("llama", False, True)])
+def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bias, bf16):
     """Every layer's attention output moves towards the source's, on tokens the fit never saw,
     measured by an independent forward of the source model (not the fit's own numbers)."""
     source, path = tiny_factory(family, bias=bias)
@@ -66,7 +68,7 @@ def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bi
                     p.mul_(0.05)
         source.save_pretrained(path)
     config, plain = _stream(path, None)
-    _, fitted = _stream(path, FitSettings(steps=60), fit_ids=FIT_IDS)
+    _, fitted = _stream(path, FitSettings(steps=60, bf16=bf16), fit_ids=FIT_IDS)
     plain_layers, fitted_layers = list(plain), list(fitted)
     held_out = _ids(7, 4, 32)
     for i, (a, b) in enumerate(zip(plain_layers, fitted_layers)):
@@ -76,7 +78,8 @@ def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bi
         assert {k: v.shape for k, v in b.state_dict("").items()} == {k: v.shape for k, v in a.state_dict("").items()}
         assert fitted.infos[i]["output_error"][1] < fitted.infos[i]["output_error"][0]
     record = fitted.record()
-    assert record["calibration"]["fit"] == {"steps": 60, "lr": 3e-3, "closed_form": True, "sequences": [64, 32]}
+    assert record["calibration"]["fit"] == {"steps": 60, "lr": 3e-3, "closed_form": True, "bf16": bf16,
+                                              "sequences": [64, 32]}
 
 
 def test_closed_form_o_proj_minimises_the_ridge_objective(tiny_factory):
@@ -147,7 +150,8 @@ def test_fit_steps_defaults_and_errors(tiny_factory, cli, tmp_path):
     config = AutoConfig.from_pretrained(path)
     transmla = LayerStream(get_method("transmla"), path, config, ConvertOptions.of(method="transmla", device="cpu"),
                            progress=False, calib_ids=_ids(1, 4, 16), plan=PLAN)
-    assert transmla.fit == FitSettings(steps=DEFAULT_FIT_STEPS) and DEFAULT_FIT_STEPS > 0
+    # Adam under bf16 autocast exactly where the device multiplies bf16 natively
+    assert transmla.fit == FitSettings(steps=DEFAULT_FIT_STEPS, bf16=fast_bf16_matmul("cpu")) and DEFAULT_FIT_STEPS > 0
     mha2mla = ConvertOptions.of(method="mha2mla", kv_budget=0.5, device="cpu")
     assert LayerStream(get_method("mha2mla"), path, config, mha2mla, progress=False, calib_ids=_ids(1, 4, 16)).fit is None
     code, _, err = cli("convert", path, tmp_path / "a", "--method", "transmla", "--kv-budget", "0.5", "--fit-steps", "-1")

@@ -26,4 +26,13 @@ def pick_device(device: str) -> str:
     return device
 
 
-__all__ = ["DEVICES", "DTYPES", "pick_device", "torch_dtype"]
+def fast_bf16_matmul(device: str) -> bool:
+    """Whether bf16 matrix products run natively on `device` (a CUDA GPU with bf16, or a CPU with AMX
+    or AVX-512 BF16); elsewhere bf16 is emulated and slower than fp32."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
+__all__ = ["DEVICES", "DTYPES", "fast_bf16_matmul", "pick_device", "torch_dtype"]

@@ -18,7 +18,7 @@ import torch
 from ..checkpoint.files import copy_tokenizer_files
 from ..checkpoint.reader import SafetensorsReader
 from ..checkpoint.writer import ShardedWriter, atomic_output_dir
-from ..dtypes import torch_dtype
+from ..dtypes import fast_bf16_matmul, torch_dtype
 from ..families import attention_geometry, family_for
 from ..mla.config import MLAConfig
 from ..mla.model import mla_config_for
@@ -105,7 +105,9 @@ class LayerStream:
             self.calibration |= {"tokens": int(calib_ids.numel()), "propagate": self.propagate}
             self.calib_ids = calib_ids
         steps = cal.fit_steps if cal.fit_steps is not None else method.default_fit_steps
-        self.fit = fit if fit is not None else (FitSettings(steps=steps, seed=cal.seed) if steps else None)
+        if fit is None and steps:
+            fit = FitSettings(steps=steps, seed=cal.seed, bf16=fast_bf16_matmul(self.device))
+        self.fit = fit
         if self.fit is not None and self.needs.calibration:
             if fit_ids is None and self.calibration.get("text") is None:  # calib_ids were given: fit on them
                 fit_ids = self.calib_ids
@@ -113,7 +115,7 @@ class LayerStream:
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1)
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": self.fit.steps, "lr": self.fit.lr, "closed_form": self.fit.closed_form,
-                                       "sequences": list(fit_ids.shape)}
+                                       "bf16": self.fit.bf16, "sequences": list(fit_ids.shape)}
         elif self.fit is not None and cal.fit_steps:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
 
