@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
 from pathlib import Path
 
 from transmla.checkpoint.resolve import cache_root
@@ -60,19 +59,22 @@ OUT_MD = RESULTS / "calib_mix.md"
 
 
 def held_out_texts() -> dict[str, Path]:
-    """The two held-out domains as text files (written once)."""
+    """The held-out domains and {code_calib} as text files (written once): the built-in `code` text's
+    two parts (stdlib modules n..z and a..m) and Debian's licence texts."""
+    from transmla.data.texts import builtin_text
+
     WORK.mkdir(parents=True, exist_ok=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = {
-        "code": sorted(p for p in stdlib.glob("*.py") if p.name[0] >= "n"),
-        "code_calib": sorted(p for p in stdlib.glob("*.py") if p.name[0] < "n"),
-        "licences": sorted(p for p in Path("/usr/share/common-licenses").iterdir() if p.is_file()),
+    licences = sorted(p for p in Path("/usr/share/common-licenses").iterdir() if p.is_file())
+    texts = {
+        "code": lambda: builtin_text("code", "eval"),
+        "code_calib": lambda: builtin_text("code", "calib"),
+        "licences": lambda: "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in licences),
     }
     out = {}
-    for name, files in sources.items():
+    for name, text in texts.items():
         path = WORK / f"{name}.txt"
         if not path.exists():
-            path.write_text("\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files), encoding="utf-8")
+            path.write_text(text(), encoding="utf-8")
         out[name] = path
     return out
 
