@@ -38,6 +38,7 @@ from transmla.convert.calibrate import calibrated_layers
 from transmla.convert.output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, fit_layer
 from transmla.convert.transmla.method import DEFAULT_FIT_STEPS, shared_rope_plan
 from transmla.data.texts import load_text
+from transmla.dtypes import fast_bf16_matmul
 from transmla.eval.perplexity import perplexity, tokenize_text
 
 from .calib_mix import held_out_texts
@@ -198,7 +199,7 @@ QWEN2_1P5B_LAYER = dict(hidden_size=1536, num_attention_heads=12, num_key_value_
 QWEN2_1P5B_LAYERS = 28
 
 
-def layer_cost(steps: int = DEFAULT_FIT_STEPS) -> dict:
+def layer_cost(steps: int = DEFAULT_FIT_STEPS, bf16: bool = False) -> dict:
     """Seconds to convert one random layer of Qwen2.5-1.5B's attention shapes at 25% (2048 x 16
     calibration tokens, as the CLI) without and with the fit (256 x 64 tokens): the fit's cost at a
     size where the full conversion (qwen2_1p5b) takes 12-21 min without it. Random weights and ids:
@@ -218,8 +219,9 @@ def layer_cost(steps: int = DEFAULT_FIT_STEPS) -> dict:
         config = AutoConfig.from_pretrained(tmp)
         calib = torch.randint(0, 1000, (2048, 16), generator=torch.Generator().manual_seed(1))
         fit_ids = torch.randint(0, 1000, DEFAULT_FIT_CALIBRATION, generator=torch.Generator().manual_seed(2))
-        out = {"threads": torch.get_num_threads(), "steps": steps}
-        for name, fit in (("convert_seconds", FitSettings(steps=0)), ("convert_and_fit_seconds", FitSettings(steps=steps))):
+        out = {"threads": torch.get_num_threads(), "steps": steps, "bf16": bf16}
+        for name, fit in (("convert_seconds", FitSettings(steps=0)),
+                          ("convert_and_fit_seconds", FitSettings(steps=steps, bf16=bf16))):
             options = ConvertOptions.of(method="transmla", device="cpu", kv_budget=0.25)
             start = time.perf_counter()
             list(LayerStream(get_method("transmla"), Path(tmp), config, options, progress=False, calib_ids=calib,
@@ -286,18 +288,20 @@ def report(results: dict) -> str:
             f"{_x(h['code'], src['held_out']['code'])} | {_x(h['licences'], src['held_out']['licences'])} | "
             + (f"{row['wall_s'] / 60:.1f}, {row['peak_rss_gb']:.2f}, {row['load_before'][0]:.1f} |" if "wall_s" in row else "- |")
         )
-    cost = results.get("qwen2_1p5b_layer_cost")
-    if cost:
+    for key in ("qwen2_1p5b_layer_cost", "qwen2_1p5b_layer_cost_bf16"):
+        cost = results.get(key)
+        if not cost:
+            continue
+        added = cost["convert_and_fit_seconds"] - cost["convert_seconds"]
         lines += [
             "",
             f"## The fit's cost at Qwen2.5-1.5B's shapes (`--layer-cost`; one random layer at 25%, "
-            f"{cost['threads']} thread(s), load {cost['machine']['load_average']})",
+            f"{cost['threads']} thread(s), load {cost['machine']['load_average']}, Adam in "
+            f"{'bf16 autocast (the CLI here)' if cost.get('bf16') else 'fp32'})",
             "",
             f"Converting the layer: {cost['convert_seconds']:.0f} s; with the fit ({cost['steps']} steps): "
-            f"{cost['convert_and_fit_seconds']:.0f} s, so the fit adds "
-            f"{cost['convert_and_fit_seconds'] - cost['convert_seconds']:.0f} s a layer, "
-            f"{(cost['convert_and_fit_seconds'] - cost['convert_seconds']) * QWEN2_1P5B_LAYERS / 60:.0f} min for the model's "
-            f"{QWEN2_1P5B_LAYERS} layers.",
+            f"{cost['convert_and_fit_seconds']:.0f} s, so the fit adds {added:.0f} s a layer, "
+            f"{added * QWEN2_1P5B_LAYERS / 60:.0f} min for the model's {QWEN2_1P5B_LAYERS} layers.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -310,7 +314,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cache = ResultCache(OUT_JSON)
     if args.layer_cost:
-        cache.results["qwen2_1p5b_layer_cost"] = {**layer_cost(), "machine": machine()}
+        bf16 = fast_bf16_matmul("cpu")  # as the CLI fits
+        key = "qwen2_1p5b_layer_cost" + ("_bf16" if bf16 else "")
+        cache.results[key] = {**layer_cost(bf16=bf16), "machine": machine()}
         cache.save()
     elif not args.report:
         cache.results["machine"] = machine()
