@@ -12,16 +12,19 @@ the source cache. Settings, each on top of the previous (the ablation):
 - method: TransMLA with the CLI defaults (2048 x 16 calibration, original propagation), no fit;
 - o_proj: + o_proj fitted in closed form to the source attention's output (output_fit.refit_o_proj);
 - fit-N: + N Adam steps per layer on every projection, then o_proj in closed form again (`--fit-steps`;
-  fit-N-bf16: Adam's forward and backward under bf16 autocast;
   the learning rate, sequence shape and propagation were chosen on dev32 at 25% in the exportable shape,
   DEV_CHOICES, with 100 steps, the first default; 200 steps was then better on dev32 at all three
-  budgets and is the CLI default).
+  budgets and is the CLI default); fit-N-bf16: the same with Adam's forward and backward under bf16
+  autocast (what the CLI runs where bf16 is native).
+And "cli": `transmla convert` itself with every default (the wiki + code calibration mix of
+benchmarks/calib_mix included), timed with /usr/bin/time, then the final windows below.
 The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 256 x 64 tokens of the
 wiki calibration part drawn with seed 1 from everything before the dev windows (the CLI draws from the
 whole part; here the dev windows are never fitted on).
-Dev: dev32 (16 wiki + 16 lee windows of 512, smollm2.Bench; pooled perplexity chooses). Final, for the
-two defaults (fit-100, then fit-200) only: wiki-test 32 and 64 windows, lee-test (29), and 16 windows
-of two domains nobody calibrates on (calib_mix.held_out_texts: Python stdlib modules n..z, Debian's licence texts).
+Dev: dev32 (16 wiki + 16 lee windows of 512, smollm2.Bench; pooled perplexity chooses; not for the cli
+rows, whose calibration may sample the dev windows). Final, for the defaults only (fit-100, fit-200, cli):
+wiki-test 32 and 64 windows, lee-test (29), and 16 windows of Python stdlib modules n..z and of Debian's
+licence texts (calib_mix.held_out_texts; the cli rows calibrate on modules a..m of the same library).
 
 Writes benchmarks/results/output_fit.json (resumable) and output_fit.md.
 """
@@ -190,7 +193,8 @@ def run(b: Bench, cache: ResultCache, only: set[str] | None = None) -> None:
             row |= {"final": b.final_ppl(model), "held_out": held_out(b, model)}
         cache.results[key] = row
         cache.save()
-        log(f"{key}: dev32 {row['dev32']['ppl']:.2f}" if "dev32" in row else key + (f", wiki-test-32 {row['final']['wiki_test_32']:.2f}" if final else ""))
+        msg = f"{key}: dev32 {row['dev32']['ppl']:.2f}" if "dev32" in row else key
+        log(msg + (f", wiki-test-32 {row['final']['wiki_test_32']:.2f}" if final else ""))
 
 
 # Qwen2.5-1.5B's attention shapes (the real model: benchmarks/qwen2_1p5b.py), on one random layer.
