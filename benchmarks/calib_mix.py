@@ -31,7 +31,8 @@ its licence perplexity (the one domain no candidate calibrates on) is more than 
 mixes that pass, the one with the lowest licence perplexity wins; ties within 1% go to the smaller mix.
 Outcome: both mixes pass; wiki=3,code=1 has the lower licence perplexity (56.89 against 58.13, 2% apart)
 and is the CLI default since (transmla.convert.options.DEFAULT_CALIB). The lee mix's lower dev32 (44.22
-against 50.58) comes from lee-dev, which its calibration now covers.
+against 50.58) comes from lee-dev, which its calibration now covers. These rows ran the fit in fp32
+(the CLI has run Adam under bf16 autocast on bf16-native hardware since; on dev32 the two tie).
 
 Writes benchmarks/results/calib_mix.json (resumable) and calib_mix.md.
 """
