@@ -39,7 +39,10 @@ MODEL = "qwen2.5-coder-1.5b"
 OUT_JSON = RESULTS / "qwen2_1p5b.json"
 OUT_MD = RESULTS / "qwen2_1p5b.md"
 WORK = cache_root() / "bench-qwen2"
-TEXTS = ("wiki", "lee")
+# code: stdlib modules n..z (the default calibration has a..m); licences: no calibration has their domain
+TEXTS = ("wiki", "lee", "code", "licences")
+BIAS_TEXTS = ("wiki", "lee")  # the texts of the dropped-bias comparison
+PRE_FIT = "pre-fit"  # key suffix of the rows converted with the defaults of c38b79e (wiki calibration, no fit)
 SEQ = 512
 PROMPT = "def fibonacci(n):"
 
@@ -71,6 +74,11 @@ def convert(run: str) -> tuple[Path, dict | None]:
 
 
 def evaluate(folder: Path, text: str, windows: int) -> dict:
+    """`transmla eval` on a built-in text's evaluation part, or on the Debian licence texts (a file)."""
+    if text == "licences":
+        from .calib_mix import held_out_texts
+
+        text = str(held_out_texts()["licences"])
     r = transmla_json("eval", str(folder), "--data", text, "--max-windows", str(windows))
     return {k: r[k] for k in ("perplexity", "windows", "tokens", "kv_elements_per_token_per_layer") if k in r}
 
@@ -91,7 +99,7 @@ def eval_windows(folder: Path, windows: int) -> dict:
     from transmla.data.texts import load_text
 
     tok = AutoTokenizer.from_pretrained(folder)
-    return {text: tokenize_text(tok, load_text(text, "eval"))[: windows * SEQ].view(-1, SEQ).contiguous() for text in TEXTS}
+    return {text: tokenize_text(tok, load_text(text, "eval"))[: windows * SEQ].view(-1, SEQ).contiguous() for text in BIAS_TEXTS}
 
 
 def dropped_biases(folder: Path, windows: int) -> dict:
@@ -114,7 +122,7 @@ def dropped_biases(folder: Path, windows: int) -> dict:
     return {"command": " ".join(["transmla", *args]), "class": stock["class"],
             "transmla_imported": stock["transmla_imported"],
             **{text: {"native": native[text]["ppl"], "dropped": stock[text]["ppl"], "tokens": stock[text]["tokens"]}
-               for text in TEXTS}}
+               for text in BIAS_TEXTS}}
 
 
 def bias_ablation(windows: int) -> dict:
@@ -154,12 +162,14 @@ def bias_ablation(windows: int) -> dict:
 
 
 def run_one(results: ResultCache, run: str, windows: int, keep: bool) -> None:
+    """Convert (today's CLI defaults) and evaluate one run; the source gains only the texts it lacks."""
     key = f"{run}@{windows}"
-    if key in results.results:
+    entry = results.results.get(key)
+    if entry is not None and (run != "source" or all(text in entry for text in TEXTS)):
         return
     folder, cost = convert(run)
-    entry = {"run": run, "windows": windows, "conversion": cost, "machine": machine()}
-    for text in TEXTS:
+    entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine()}
+    for text in (t for t in TEXTS if t not in entry):
         log(f"evaluating {run} on {text} ({windows} windows)")
         start = time.perf_counter()
         entry[text] = evaluate(folder, text, windows) | {"eval_s": round(time.perf_counter() - start, 1)}
@@ -179,27 +189,44 @@ def run_one(results: ResultCache, run: str, windows: int, keep: bool) -> None:
     results.save()
 
 
+def calibration_label(entry: dict) -> str:
+    """What a conversion calibrated on and whether it ran the output-aware fit (from its record)."""
+    cal = entry.get("calibration")
+    if not cal:
+        return ""
+    fit = cal.get("fit")
+    label = f"{cal['text']}, " + (f"fit-{fit['steps']}" + (" bf16" if fit.get("bf16") else "") if fit else "no fit")
+    return f"{label} (pre-fit)" if entry.get("defaults") == PRE_FIT else label
+
+
 def report(results: dict) -> str:
     rows = sorted((e for e in results.values() if "run" in e), key=lambda e: (e["run"] != "source", e["run"] != "lossless", e["run"]))
     source = {e["windows"]: e for e in rows if e["run"] == "source"}
     lines = [f"# {MODEL} (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M dequantized to fp32): conversions on this CPU", "",
              "Made by `python -m benchmarks.qwen2_1p5b` (protocol in its docstring). Perplexity: 512-token windows of "
-             "the built-in wiki and lee evaluation parts, fp32, `transmla eval`. Conversion: the CLI defaults, "
-             "peak RSS and wall time from /usr/bin/time -v; load = 1-minute load average before the run (2 cores).", "",
-             "| run | KV elements / token / layer | wiki | x source | lee | x source | windows | peak RSS GB | wall s | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "the built-in wiki, lee and code evaluation parts (code = the interpreter's stdlib modules n..z) and of "
+             "Debian's licence texts, fp32, `transmla eval`; `x` = over the source's. Conversion: the CLI defaults of "
+             "the day, in the column `calibration` (`pre-fit`: the defaults of c38b79e, wiki only and no output-aware "
+             "fit; those folders were deleted before code and licences were measured), peak RSS and wall time from "
+             "/usr/bin/time -v; load = 1-minute load average before the run (2 cores).", "",
+             "| run | calibration | KV elements / token / layer | " + " | ".join(f"{t} | x" for t in TEXTS)
+             + " | windows | peak RSS GB | wall s | load |",
+             "|---|---|---|" + "---|---|" * len(TEXTS) + "---|---|---|---|"]
     for e in rows:
         src = source.get(e["windows"])
         cells = []
         for text in TEXTS:
+            if text not in e:
+                cells += ["", ""]
+                continue
             ppl = e[text]["perplexity"]
-            ratio = f"{ppl / src[text]['perplexity']:.4f}" if src else ""
-            cells += [f"{ppl:.4f}", ratio]
+            ratio = f"{ppl / src[text]['perplexity']:.2f}x" if src and text in src else ""
+            cells += [f"{ppl:.2f}", ratio]
         c = e.get("conversion")
         load = f"{c['load_before'][0]:.1f}" if c and c.get("load_before") else ""
         cost = f"{c['peak_rss_gb']} | {c['wall_s']} | {load}" if c else " | | "
-        lines.append(f"| {e['run']} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | {' | '.join(cells)} | "
-                     f"{e['windows']} | {cost} |")
+        lines.append(f"| {e['run']} | {calibration_label(e)} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | "
+                     f"{' | '.join(cells)} | {e['windows']} | {cost} |")
     dropped = [e for e in rows if "drop_biases" in e]
     if dropped:
         lines += ["", "Attention biases dropped (what vLLM and SGLang, which have none, would serve): the DeepSeek "
@@ -210,7 +237,7 @@ def report(results: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         for e in dropped:
             cells = []
-            for text in TEXTS:
+            for text in BIAS_TEXTS:
                 kept, lost = e["drop_biases"][text]["native"], e["drop_biases"][text]["dropped"]
                 cells += [f"{kept:.4f}", f"{lost:.4f}", f"{100 * (lost / kept - 1):+.1f}%"]
             lines.append(f"| {e['run']} | {' | '.join(cells)} |")
