@@ -42,6 +42,9 @@ stays text the candidate never calibrated on; the CLI default would name `lee` (
 default is re-run beside it under the same bf16 fit. Rule, written before the round was measured: the
 candidate replaces wiki=3,code=1 only if its dev32 is more than 3% lower and neither held-out domain
 (licences, code n..z) rises by more than 3%.
+Outcome: rejected. Its dev32 is 10.8% lower (45.33 against 50.84: lee-dev 51.68 against 65.79,
+wiki-dev 39.77 against 39.29) and the licences rise 1.8% (58.13 against 57.12), but held-out code rises
+6.2% (22.16 against 20.86). wiki=3,code=1 stays the default.
 
 Writes benchmarks/results/calib_mix.json (resumable) and calib_mix.md.
 """

@@ -14,8 +14,13 @@ M [--kv-budget B]` with the CLI defaults, under `/usr/bin/time -v` (peak RSS, wa
 process at a time, with the machine's load average before and after. Each converted model
 generates greedily through its latent cache (absorbed) and through the expanded path (the texts
 must agree). Each model is
-evaluated with `transmla eval OUT --data wiki|lee --max-windows W --json` (512-token windows of
-the built-in texts' evaluation parts, fp32): W = 16 by default (`--windows`). The converted
+evaluated with `transmla eval OUT --data wiki|lee|code|LICENCES --max-windows W --json` (512-token
+windows of the built-in texts' evaluation parts, and of Debian's licence texts as written by
+benchmarks/calib_mix, fp32): W = 16 by default (`--windows`). Code (stdlib modules n..z) is the skill
+this coder model exists for; the default calibration has other modules of the same library (a..m),
+and no calibration has the licences' domain. Rows converted with the defaults of c38b79e (wiki
+calibration, no output-aware fit) are kept under keys ending in `@pre-fit`; their folders were
+deleted before code and licences were added here. The converted
 folders stay under $TRANSMLA_CACHE/bench-qwen2 (7 GB each in fp32; `--keep` keeps them, the
 default deletes each after its evaluation).
 
