@@ -111,6 +111,9 @@ def generate(
         help="Allow context + new tokens beyond max_position_embeddings (a speed measurement only).")] = False,
     threads: Annotated[int | None, typer.Option(
         help="torch CPU threads for both models (default: torch's; 1 is steadier on a shared CPU).")] = None,
+    packed_linears: Annotated[bool, typer.Option(
+        help="The MLA model's linears use oneDNN-prepacked weights on the CPU (bf16, or fp32 at <= 16 rows); "
+             "--no-packed-linears runs plain F.linear, as the stock source does.")] = True,
     as_json: JsonFlag = False,
 ) -> None:
     """End-to-end greedy decode: tokens/s, prefill, cache bytes, MLA model against its source's best stock cache."""
@@ -121,7 +124,7 @@ def generate(
                                 dtype=dtype, device=device, seed=seed, repeats=repeats, prefill=prefill,
                                 source_caches=tuple(source_cache or SOURCE_CACHES),
                                 beyond_positions=beyond_positions, threads=threads,
-                                progress=not as_json)
+                                progress=not as_json, packed_linears=packed_linears)
     except ValueError as exc:
         _fail(str(exc).strip().splitlines()[0])
     if as_json:
@@ -143,6 +146,7 @@ def _generate_table(result: dict) -> Table:
     mb = lambda v: None if v is None else v / 1e6
     lines = (
         ("attention", lambda r: r["attention"]),
+        ("linears", lambda r: r.get("linears", "-")),
         ("prefill s (min / median)", lambda r: "-" if r["prefill_seconds"] is None
          else f"{r['prefill_seconds']:.3f} / {r['prefill_seconds_median']:.3f}"),
         ("decode ms/step (min / median)", lambda r: f"{r['ms_per_step']:.2f} / {r['ms_per_step_median']:.2f}"),

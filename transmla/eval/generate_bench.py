@@ -175,17 +175,22 @@ def _random_prompts(vocab_size: int, batch: int, context: int, seed: int, device
 
 
 def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: str, device: str, seed: int,
-                 repeats: int, prefill: bool, source_caches, progress: bool) -> list[dict[str, Any]]:
+                 repeats: int, prefill: bool, source_caches, progress: bool,
+                 packed_linears: bool = True) -> list[dict[str, Any]]:
     """Load one model, warm it up, time fill + decode ``repeats`` times per cache kind; one row per cache kind."""
     from ..checkpoint.resolve import load_model
     from ..mla.model import is_mla_config, set_decode_mode
+    from ..mla.packed_linear import use_packed_linears
 
     _status(progress, f"loading {spec} ({dtype}, {device})")
     model, _ = load_model(spec, dtype=torch_dtype(dtype), device=device)
     mla = is_mla_config(model.config)
     old_mode = model.config.mla.get("decode", "auto") if mla else None
+    linears = None
     if mla:
         set_decode_mode(model, "auto")
+        use_packed_linears(model, packed_linears)
+        linears = "onednn-packed" if packed_linears and device == "cpu" and _packs(model) else "plain"
     rows = []
     try:
         ids = _random_prompts(model.config.vocab_size, batch, context, seed, device)  # [B, T]
@@ -206,7 +211,7 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
                         _free(device)
             peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
             row = _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak)
-            row.update(cache=kind, decode_mode="auto" if mla else None)
+            row.update(cache=kind, decode_mode="auto" if mla else None, linears=linears or "plain (stock)")
             rows.append(row)
             del cache
             _free(device)
@@ -216,6 +221,12 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
         del model
         _free(device)
     return rows
+
+
+def _packs(model) -> bool:
+    from ..mla.packed_linear import PackedCPULinear
+
+    return any(isinstance(m, PackedCPULinear) and m.packed_enabled for m in model.modules())
 
 
 def _unique_parameter_bytes(model) -> int:
@@ -305,6 +316,7 @@ def bench_generate(
     beyond_positions: bool = False,
     threads: int | None = None,
     progress: bool = False,
+    packed_linears: bool = True,
 ) -> dict[str, Any]:
     """Decode speed, prefill time and cache of ``model`` and its source: {"environment": ..., "rows": [...]}.
 
@@ -316,7 +328,8 @@ def bench_generate(
     ``source_caches``. Models are loaded one at a time; all get the same random prompts (``seed``).
     The environment records the load average before and after. ``threads`` sets torch's CPU
     threads for the run (both models alike; on a shared CPU one thread avoids the stalls of a
-    thread team waiting for a descheduled member).
+    thread team waiting for a descheduled member). ``packed_linears`` False runs the MLA model's
+    linears through plain ``F.linear`` (mla/packed_linear.py); each row's ``linears`` says which ran.
     """
     from ..checkpoint.resolve import load_config
 
@@ -344,7 +357,8 @@ def bench_generate(
         env = environment()
         specs = [model] if source is None else [model, source]
         rows = [row for spec in specs for row in _bench_model(
-            spec, batch, context, new_tokens, dtype, device, seed, repeats, prefill, tuple(source_caches), progress)]
+            spec, batch, context, new_tokens, dtype, device, seed, repeats, prefill, tuple(source_caches), progress,
+            packed_linears)]
     finally:
         torch.set_num_threads(old_threads)
     env["load_average_after"] = round(os.getloadavg()[0], 2)

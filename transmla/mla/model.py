@@ -13,6 +13,7 @@ from ..families import FAMILIES, Family
 from .attention import MLAAttention
 from .config import MLAConfig
 from .latent_cache import LatentCache
+from .packed_linear import use_packed_linears
 
 MODEL_TYPE_PREFIX = "transmla_"
 
@@ -44,6 +45,7 @@ def _build_classes(family: Family) -> tuple[type, type]:
     def __init__(self, config):
         base_model.__init__(self, config)
         _swap_attention(self)
+        use_packed_linears(self)  # decode linears at memory speed on the CPU (packed_linear.py)
         self.post_init()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,

@@ -1,0 +1,113 @@
+"""PackedCPULinear (oneDNN-prepacked weights for the CPU's decode linears) equals F.linear, takes the
+packed path only where it should, follows weight changes, and leaves generate() unchanged."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transmla.mla.packed_linear import FP32_MAX_ROWS, PackedCPULinear, onednn_linear_available, use_packed_linears
+
+from test_fast_decode import random_mla_model
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
+
+
+def test_x86_wheels_have_the_ops():
+    """The path must not silently vanish on the machines it is measured on."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert onednn_linear_available()
+
+
+def packed(in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True) -> PackedCPULinear:
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    assert use_packed_linears(lin) == 1 and isinstance(lin, PackedCPULinear)
+    return lin
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 40), (8, 40), (2, 3, 40), (FP32_MAX_ROWS, 40)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp32_packed_equals_f_linear(shape, bias):
+    lin = packed(40, 72, torch.float32, bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        out = lin(x)
+    assert lin._pack is not None  # the packed path ran
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_fp32_many_rows_and_bf16_any_rows():
+    lin = packed(40, 72, torch.float32)
+    with torch.no_grad():
+        lin(torch.randn(FP32_MAX_ROWS + 1, 40))
+    assert lin._pack is None  # fp32 GEMMs above FP32_MAX_ROWS stay on F.linear
+    lin = packed(40, 72, torch.bfloat16)
+    x = torch.randn(3, 64, 40).to(torch.bfloat16)
+    with torch.no_grad():
+        out = lin(x)
+    assert lin._pack is not None
+    torch.testing.assert_close(out.float(), F.linear(x, lin.weight, lin.bias).float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_onednn
+def test_non_contiguous_input():
+    lin = packed(40, 72, torch.float32)
+    x = torch.randn(4, 80)[:, ::2]  # a strided view
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_autograd_takes_f_linear():
+    lin = packed(40, 72, torch.float32)
+    x = torch.randn(2, 40, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin._pack is None and lin.weight.grad is not None and x.grad is not None
+
+
+@needs_onednn
+def test_weight_change_repacks():
+    """An in-place update (an optimizer step, load_state_dict) and a dtype change both invalidate the pack."""
+    lin = packed(40, 72, torch.float32)
+    x = torch.randn(2, 40)
+    with torch.no_grad():
+        first = lin(x)
+        lin.weight.mul_(2)
+        torch.testing.assert_close(lin(x) - lin.bias, 2 * (first - lin.bias), atol=1e-5, rtol=1e-5)
+        lin.load_state_dict({"weight": torch.zeros(72, 40), "bias": torch.ones(72)})
+        assert torch.equal(lin(x), torch.ones(2, 72))
+        lin.to(torch.bfloat16)
+        torch.testing.assert_close(lin(x.bfloat16()).float(), torch.ones(2, 72))
+
+
+def test_disabled_keeps_no_pack():
+    lin = packed(40, 72, torch.float32)
+    use_packed_linears(lin, enabled=False)
+    with torch.no_grad():
+        lin(torch.randn(2, 40))
+    assert lin._pack is None
+
+
+@needs_onednn
+def test_generate_with_packed_linears_equals_plain(tiny_factory):
+    """A random MLA model's greedy decode, packed against plain linears: same tokens, logits to 1e-5."""
+    model = random_mla_model(tiny_factory, bias=True)
+    assert sum(isinstance(m, PackedCPULinear) for m in model.modules()) > 0
+    keys = set(model.state_dict())
+    prompt = torch.randint(0, 97, (3, 7))
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        fast = model.generate(prompt, **kwargs)
+        assert any(m._pack is not None for m in model.modules() if isinstance(m, PackedCPULinear))
+        use_packed_linears(model, enabled=False)
+        plain = model.generate(prompt, **kwargs)
+    assert set(model.state_dict()) == keys  # the packs are not state
+    assert torch.equal(fast.sequences, plain.sequences)
+    for a, b in zip(fast.logits, plain.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
