@@ -8,6 +8,7 @@ import json
 import pytest
 
 from transmla.eval.generate_bench import bench_generate, find_recorded_source
+from transmla.mla.packed_linear import onednn_linear_available
 
 B, T, N = 2, 16, 4  # batch, context, new tokens: small and fast
 
@@ -16,7 +17,7 @@ ROW_FIELDS = {
     "decode_seconds", "decode_tokens_per_second", "ms_per_step", "kv_elements_per_token_per_layer",
     "kv_bytes_per_token_per_layer", "layers", "cached_tokens", "cache_bytes", "formula_cache_bytes",
     "peak_memory_bytes", "decode_mode", "cache", "repeats", "prefill_seconds_median", "decode_seconds_median",
-    "ms_per_step_median", "model_bytes", "bytes_per_step",
+    "ms_per_step_median", "model_bytes", "bytes_per_step", "linears",
 }
 
 
@@ -64,6 +65,8 @@ def test_lossless_against_source(tiny):
         assert "speedup_vs_source" not in src
     assert (mla["cache"], dynamic["cache"], static["cache"]) == ("latent", "dynamic", "static")
     assert mla["decode_mode"] == "auto" and mla["model"] == str(tiny["lossless"])
+    assert mla["linears"] == ("onednn-packed" if onednn_linear_available() else "plain")
+    assert dynamic["linears"] == static["linears"] == "plain (stock)"
     best = max((dynamic, static), key=lambda r: r["decode_tokens_per_second"])
     assert mla["source_cache"] == best["cache"]
     assert mla["speedup_vs_source"] == mla["decode_tokens_per_second"] / best["decode_tokens_per_second"]
@@ -83,6 +86,13 @@ def test_random_fill_decode_only_beyond_positions(tiny):
         assert row["prefill"] is False and row["prefill_seconds"] is None and row["repeats"] == 2
         assert row["cached_tokens"] == 302 and row["cache_bytes"] == row["formula_cache_bytes"]
     assert "prefill_ratio_vs_source" not in mla and mla["source_cache"] == "dynamic"
+
+
+def test_plain_linears_on_request(tiny):
+    """packed_linears=False: the MLA model's linears run through F.linear, and the row says so."""
+    result = bench_generate(str(tiny["small"]), str(tiny["src"]), batch=1, context=8, new_tokens=2, device="cpu",
+                            repeats=1, source_caches=("dynamic",), packed_linears=False)
+    assert result["rows"][0]["linears"] == "plain"
 
 
 def test_compressed_source_found_from_config(tiny):

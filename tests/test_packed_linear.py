@@ -26,7 +26,8 @@ def test_x86_wheels_have_the_ops():
 def packed(in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True) -> PackedCPULinear:
     torch.manual_seed(0)
     lin = nn.Linear(in_f, out_f, bias=bias).to(dtype)
-    assert use_packed_linears(lin) == 1 and isinstance(lin, PackedCPULinear)
+    use_packed_linears(lin)
+    assert isinstance(lin, PackedCPULinear)
     return lin
 
 
@@ -96,18 +97,37 @@ def test_disabled_keeps_no_pack():
 
 @needs_onednn
 def test_generate_with_packed_linears_equals_plain(tiny_factory):
-    """A random MLA model's greedy decode, packed against plain linears: same tokens, logits to 1e-5."""
+    """A random MLA model's greedy decode: generate() turns the packs on by itself; packed against
+    plain linears: same tokens, logits to 1e-5; a model switched off stays off."""
     model = random_mla_model(tiny_factory, bias=True)
-    assert sum(isinstance(m, PackedCPULinear) for m in model.modules()) > 0
+    assert getattr(model, "packed_linears", None) is None
     keys = set(model.state_dict())
     prompt = torch.randint(0, 97, (3, 7))
     kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         fast = model.generate(prompt, **kwargs)
+        assert model.packed_linears is True
         assert any(m._pack is not None for m in model.modules() if isinstance(m, PackedCPULinear))
-        use_packed_linears(model, enabled=False)
+        assert use_packed_linears(model, enabled=False) == 0
         plain = model.generate(prompt, **kwargs)
+        assert model.packed_linears is False
+        assert all(m._pack is None for m in model.modules() if isinstance(m, PackedCPULinear))
     assert set(model.state_dict()) == keys  # the packs are not state
     assert torch.equal(fast.sequences, plain.sequences)
     for a, b in zip(fast.logits, plain.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_packing_only_where_the_copy_fits(monkeypatch):
+    """The packed copies must fit in half the available memory, else the linears stay plain."""
+    import transmla.mla.packed_linear as pl
+
+    model = nn.Sequential(nn.Linear(40, 72), nn.Linear(72, 40))  # 2 x 11,520 weight bytes
+    monkeypatch.setattr(pl, "available_memory_bytes", lambda: 2 * 23_040)
+    assert use_packed_linears(model) == 0 and model.packed_linears is False
+    with torch.no_grad():
+        model(torch.randn(2, 40))
+    assert all(m._pack is None for m in model)
+    monkeypatch.setattr(pl, "available_memory_bytes", lambda: 2 * 23_040 + 2)
+    assert use_packed_linears(model) == 2 and model.packed_linears is True

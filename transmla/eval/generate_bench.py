@@ -189,8 +189,7 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
     linears = None
     if mla:
         set_decode_mode(model, "auto")
-        use_packed_linears(model, packed_linears)
-        linears = "onednn-packed" if packed_linears and device == "cpu" and _packs(model) else "plain"
+        linears = "onednn-packed" if use_packed_linears(model, packed_linears) and device == "cpu" else "plain"
     rows = []
     try:
         ids = _random_prompts(model.config.vocab_size, batch, context, seed, device)  # [B, T]
@@ -221,12 +220,6 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
         del model
         _free(device)
     return rows
-
-
-def _packs(model) -> bool:
-    from ..mla.packed_linear import PackedCPULinear
-
-    return any(isinstance(m, PackedCPULinear) and m.packed_enabled for m in model.modules())
 
 
 def _unique_parameter_bytes(model) -> int:

@@ -45,7 +45,6 @@ def _build_classes(family: Family) -> tuple[type, type]:
     def __init__(self, config):
         base_model.__init__(self, config)
         _swap_attention(self)
-        use_packed_linears(self)  # decode linears at memory speed on the CPU (packed_linear.py)
         self.post_init()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
@@ -54,6 +53,8 @@ def _build_classes(family: Family) -> tuple[type, type]:
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
         _swap_in_latent_cache(self, model_kwargs, max_cache_length)
+        if getattr(self, "packed_linears", None) is None:  # decode linears at memory speed on the CPU
+            use_packed_linears(self)
 
     model_cls = type(
         f"MLA{base_model.__name__}",

@@ -14,7 +14,9 @@ only where it pays and changes nothing else: CPU, no autograd (inference or `tor
 any row count, fp32 at up to FP32_MAX_ROWS rows (above that fp32 GEMMs are compute-bound and the
 packed call measured slower: 64 rows 52 against 38 ms). The pack is built on first use and again
 whenever the weight changes (its storage, dtype or in-place version), so training, `.to()` and
-`load_state_dict` need no care; it costs a second copy of each packed weight in memory.
+`load_state_dict` need no care. It costs a second copy of each packed weight in memory, so it is
+turned on only for decoding (the MLA model's `generate()`, `transmla bench generate`) and only when
+the copy fits: the linears' weights must be under half of the memory available (MemAvailable).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FP32_MAX_ROWS", "PackedCPULinear", "onednn_linear_available", "use_packed_linears"]
+__all__ = ["FP32_MAX_ROWS", "PackedCPULinear", "available_memory_bytes", "onednn_linear_available", "use_packed_linears"]
 
 FP32_MAX_ROWS = 16
 
@@ -67,16 +69,35 @@ class PackedCPULinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def use_packed_linears(model: nn.Module, enabled: bool = True) -> int:
     """Make every plain nn.Linear of `model` a PackedCPULinear (in place: same parameters) and set
-    whether it packs; the number of linears. Without oneDNN's ops nothing packs."""
-    enabled = enabled and onednn_linear_available()
-    count = 0
+    whether they pack; the number that will pack (0 when disabled, without oneDNN's ops, or when the
+    packed copies would not fit in half the available memory). Records the outcome as
+    `model.packed_linears`."""
+    linears = []
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PackedCPULinear
         if isinstance(module, PackedCPULinear):
-            module.packed_enabled = enabled
-            module._pack = module._pack_key = None  # a disabled module keeps no second copy
-            count += 1
-    return count
+            linears.append(module)
+    if enabled:
+        weights = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in linears}.values())
+        free = available_memory_bytes()
+        enabled = onednn_linear_available() and (free is None or weights < free // 2)
+    for module in linears:
+        module.packed_enabled = enabled
+        module._pack = module._pack_key = None  # a disabled module keeps no second copy
+    model.packed_linears = enabled
+    return len(linears) if enabled else 0
