@@ -19,6 +19,11 @@ Ideal speedup = bytes a decode step reads, source over MLA: weights (tied embedd
 KV cache at that context, both in the same dtype. Goal: MLA tokens/s over the source's >= 0.8 x ideal
 at every context >= 8K; prefill within 1.2x of the source's.
 
+Settings ending in `-plain` run the MLA model's linears through plain F.linear (`--no-packed-linears`):
+every row measured before mla/packed_linear.py existed was such a row. The others use its
+oneDNN-prepacked weights (the default of `transmla bench generate` and of generate()); the source
+always runs stock.
+
 Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
 saved after every setting (resumable). Run one benchmark process at a time; the load average is
 recorded with each setting.
@@ -46,12 +51,12 @@ THREADS = 1  # the CPU is shared: one thread per model, the same for both (see b
 BUDGETS = {"25": 0.25, "12.5": 0.125}
 
 
-def _setting(budget: str, dtype: str, batch: int, context: int, prefill: bool) -> dict:
-    name = f"{budget}-{dtype}-b{batch}-{round(context / 1024)}k"
-    return dict(name=name, budget=budget, dtype=dtype, batch=batch, context=context, prefill=prefill)
+def _setting(budget: str, dtype: str, batch: int, context: int, prefill: bool, linears: str = "packed") -> dict:
+    name = f"{budget}-{dtype}-b{batch}-{round(context / 1024)}k" + ("-plain" if linears == "plain" else "")
+    return dict(name=name, budget=budget, dtype=dtype, batch=batch, context=context, prefill=prefill, linears=linears)
 
 
-SETTINGS = [
+PACKED_SETTINGS = [
     _setting("25", "fp32", 1, 2048, True),
     _setting("25", "fp32", 1, 4096, True),
     _setting("25", "fp32", 1, 8192, False),
@@ -65,6 +70,10 @@ SETTINGS = [
     _setting("12.5", "fp32", 1, 8192, False),
     _setting("12.5", "fp32", 1, 32768, False),
 ]
+# The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
+# every row was measured before the packed linears (mla/packed_linear.py) existed.
+SETTINGS = PACKED_SETTINGS + [_setting(s["budget"], s["dtype"], s["batch"], s["context"], s["prefill"], "plain")
+                              for s in PACKED_SETTINGS]
 
 
 def converted_model(budget: str) -> Path:
@@ -81,7 +90,7 @@ def run_setting(setting: dict) -> dict:
     result = bench_generate(
         str(converted_model(setting["budget"])), SOURCE, batch=setting["batch"], context=setting["context"],
         new_tokens=NEW_TOKENS, dtype=setting["dtype"], device="cpu", repeats=REPEATS, prefill=setting["prefill"],
-        beyond_positions=True, threads=THREADS, progress=True,
+        beyond_positions=True, threads=THREADS, progress=True, packed_linears=setting["linears"] == "packed",
     )
     return {**setting, **result}
 
@@ -105,16 +114,16 @@ def write_report(results: dict) -> None:
         "",
         f"Machine: {results.get('machine', '?')}.",
         "",
-        "| setting | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
+        "| setting | MLA linears | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
         "prefill MLA s | prefill source s | prefill ratio | MLA cache MB | source cache MB | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mla = r["rows"][0]
         src = next(x for x in r["rows"][1:] if x["cache"] == mla["source_cache"])
         env = r["environment"]
         lines.append(
-            f"| {r['name']} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
+            f"| {r['name']} | {r.get('linears', 'plain')} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
             f"| {src['decode_tokens_per_second']:.2f} | {src['cache']} | {mla['speedup_vs_source']:.2f} "
             f"| {mla['ideal_speedup']:.2f} | {mla['fraction_of_ideal']:.2f} | {_ratio(mla['prefill_seconds'], '.1f')} "
             f"| {_ratio(min((x['prefill_seconds'] for x in r['rows'][1:] if x['prefill_seconds']), default=None), '.1f')} "
@@ -136,14 +145,18 @@ def _plot(rows: list[dict]) -> None:
         groups.setdefault((r["budget"], r["dtype"], r["batch"]), []).append(r)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, ((budget, dtype, batch), rs) in zip(axes[0], sorted(groups.items())):
-        rs = sorted(rs, key=lambda r: r["context"])
-        ctx = [r["context"] for r in rs]
-        mla = [r["rows"][0]["decode_tokens_per_second"] for r in rs]
-        src = [max(x["decode_tokens_per_second"] for x in r["rows"][1:]) for r in rs]
-        ideal = [s * r["rows"][0]["ideal_speedup"] for s, r in zip(src, rs)]
-        ax.plot(ctx, src, "o-", label="source (best stock cache)")
-        ax.plot(ctx, mla, "s-", label=f"MLA {budget}%")
-        ax.plot(ctx, ideal, "k--", label="ideal (source x bytes ratio)")
+        by_linears: dict[str, list[dict]] = {}
+        for r in sorted(rs, key=lambda r: r["context"]):
+            by_linears.setdefault(r.get("linears", "plain"), []).append(r)
+        for linears, lrs in sorted(by_linears.items()):
+            ctx = [r["context"] for r in lrs]
+            src = [max(x["decode_tokens_per_second"] for x in r["rows"][1:]) for r in lrs]
+            ideal = [s * r["rows"][0]["ideal_speedup"] for s, r in zip(src, lrs)]
+            style = "-" if linears == "packed" else ":"
+            ax.plot(ctx, src, "o" + style, color="C0", label=f"source (best stock cache; {linears} run)")
+            ax.plot(ctx, [r["rows"][0]["decode_tokens_per_second"] for r in lrs], "s" + style, color="C1",
+                    label=f"MLA {budget}%, {linears} linears")
+            ax.plot(ctx, ideal, "k" + ("--" if linears == "packed" else ":"), label=f"ideal ({linears} run)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
         ax.set_ylabel("decode tokens/s")
