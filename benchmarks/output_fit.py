@@ -20,6 +20,9 @@ the source cache. Settings, each on top of the previous (the ablation):
   before it was measured: it replaces 200 only if its dev32 is more than 1% below fit-200's at every
   budget (below the fp32 fit-200 row, and below fit-200-bf16 where that was measured too), and the
   default 25% conversion then stays under 10 minutes (its fit grows by half: 5.4 min today).
+  Outcome: rejected at the first budget measured. At 50% fit-300-bf16 gives dev32 28.52 against
+  fit-200's 28.57 (-0.15%), although its attention-output error falls further (0.028 against 0.032);
+  the 25% and 12.5% rows were stopped unrun, since the rule needs all three. 200 stays the default.
 And "cli": `transmla convert` itself with every default (the wiki + code calibration mix of
 benchmarks/calib_mix included), timed with /usr/bin/time, then the final windows below.
 The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 256 x 64 tokens of the
@@ -82,7 +85,8 @@ def settings() -> list[tuple[str, str, str]]:
     what the CLI runs where bf16 is native (the cli rows)."""
     out = []
     for budget in BUDGETS:
-        out += [("export", budget, s) for s in ("method", "o_proj", "fit-100", "fit-200", "fit-200-bf16", "fit-300-bf16")]
+        out += [("export", budget, s) for s in ("method", "o_proj", "fit-100", "fit-200", "fit-200-bf16")]
+    out.append(("export", "50%", "fit-300-bf16"))  # rejected at 50%, the other budgets left unrun (docstring)
     for budget in ("25%", "50%", "12.5%"):
         out += [("native", budget, s) for s in ("method", "fit-100", "fit-200")]
     return out + [(shape, budget, "cli") for shape in SHAPES for budget in BUDGETS]
