@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transmla.mla.packed_linear import FP32_MAX_ROWS, PackedCPULinear, onednn_linear_available, use_packed_linears
+from transmla.mla.packed_linear import (
+    FP32_MAX_ROWS,
+    FP32_MIN_ROWS,
+    PackedCPULinear,
+    onednn_linear_available,
+    use_packed_linears,
+)
 
 from test_fast_decode import random_mla_model
 
@@ -32,7 +38,7 @@ def packed(in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True) -> Pack
 
 
 @needs_onednn
-@pytest.mark.parametrize("shape", [(1, 40), (8, 40), (2, 3, 40), (FP32_MAX_ROWS, 40)])
+@pytest.mark.parametrize("shape", [(FP32_MIN_ROWS, 40), (8, 40), (2, 3, 40), (FP32_MAX_ROWS, 40)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_fp32_packed_equals_f_linear(shape, bias):
     lin = packed(40, 72, torch.float32, bias)
@@ -44,12 +50,23 @@ def test_fp32_packed_equals_f_linear(shape, bias):
 
 
 @needs_onednn
-def test_fp32_many_rows_and_bf16_any_rows():
+@pytest.mark.parametrize("rows", [1, FP32_MIN_ROWS - 1, FP32_MAX_ROWS + 1])
+def test_fp32_outside_its_rows_stays_plain(rows):
+    """fp32 matrix-vector products and GEMMs above FP32_MAX_ROWS stay on F.linear (faster there)."""
     lin = packed(40, 72, torch.float32)
+    x = torch.randn(rows, 40)
     with torch.no_grad():
-        lin(torch.randn(FP32_MAX_ROWS + 1, 40))
-    assert lin._pack is None  # fp32 GEMMs above FP32_MAX_ROWS stay on F.linear
+        out = lin(x)
+    assert lin._pack is None
+    assert torch.equal(out, F.linear(x, lin.weight, lin.bias))
+
+
+@needs_onednn
+def test_bf16_any_rows():
     lin = packed(40, 72, torch.bfloat16)
+    with torch.no_grad():
+        lin(torch.randn(1, 40).to(torch.bfloat16))
+    assert lin._pack is not None
     x = torch.randn(3, 64, 40).to(torch.bfloat16)
     with torch.no_grad():
         out = lin(x)
@@ -76,22 +93,22 @@ def test_autograd_takes_f_linear():
 def test_weight_change_repacks():
     """An in-place update (an optimizer step, load_state_dict) and a dtype change both invalidate the pack."""
     lin = packed(40, 72, torch.float32)
-    x = torch.randn(2, 40)
+    x = torch.randn(FP32_MIN_ROWS, 40)
     with torch.no_grad():
         first = lin(x)
         lin.weight.mul_(2)
         torch.testing.assert_close(lin(x) - lin.bias, 2 * (first - lin.bias), atol=1e-5, rtol=1e-5)
         lin.load_state_dict({"weight": torch.zeros(72, 40), "bias": torch.ones(72)})
-        assert torch.equal(lin(x), torch.ones(2, 72))
+        assert torch.equal(lin(x), torch.ones(FP32_MIN_ROWS, 72))
         lin.to(torch.bfloat16)
-        torch.testing.assert_close(lin(x.bfloat16()).float(), torch.ones(2, 72))
+        torch.testing.assert_close(lin(x.bfloat16()).float(), torch.ones(FP32_MIN_ROWS, 72))
 
 
 def test_disabled_keeps_no_pack():
     lin = packed(40, 72, torch.float32)
     use_packed_linears(lin, enabled=False)
     with torch.no_grad():
-        lin(torch.randn(2, 40))
+        lin(torch.randn(8, 40))
     assert lin._pack is None
 
 
@@ -102,7 +119,7 @@ def test_generate_with_packed_linears_equals_plain(tiny_factory):
     model = random_mla_model(tiny_factory, bias=True)
     assert getattr(model, "packed_linears", None) is None
     keys = set(model.state_dict())
-    prompt = torch.randint(0, 97, (3, 7))
+    prompt = torch.randint(0, 97, (FP32_MIN_ROWS, 7))  # decode steps of FP32_MIN_ROWS rows pack
     kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         fast = model.generate(prompt, **kwargs)
@@ -127,7 +144,7 @@ def test_packing_only_where_the_copy_fits(monkeypatch):
     monkeypatch.setattr(pl, "available_memory_bytes", lambda: 2 * 23_040)
     assert use_packed_linears(model) == 0 and model.packed_linears is False
     with torch.no_grad():
-        model(torch.randn(2, 40))
+        model(torch.randn(8, 40))
     assert all(m._pack is None for m in model)
     monkeypatch.setattr(pl, "available_memory_bytes", lambda: 2 * 23_040 + 2)
     assert use_packed_linears(model) == 2 and model.packed_linears is True

@@ -112,7 +112,7 @@ def generate(
     threads: Annotated[int | None, typer.Option(
         help="torch CPU threads for both models (default: torch's; 1 is steadier on a shared CPU).")] = None,
     packed_linears: Annotated[bool, typer.Option(
-        help="The MLA model's linears use oneDNN-prepacked weights on the CPU (bf16, or fp32 at <= 16 rows); "
+        help="The MLA model's linears use oneDNN-prepacked weights on the CPU (bf16, or fp32 at 4 to 16 rows); "
              "--no-packed-linears runs plain F.linear, as the stock source does.")] = True,
     as_json: JsonFlag = False,
 ) -> None:

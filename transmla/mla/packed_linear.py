@@ -11,8 +11,11 @@ then multiplies with it.
 
 `PackedCPULinear` is an `nn.Linear` (same parameters, state dict and hooks) that takes this path
 only where it pays and changes nothing else: CPU, no autograd (inference or `torch.no_grad`), bf16 at
-any row count, fp32 at up to FP32_MAX_ROWS rows (above that fp32 GEMMs are compute-bound and the
-packed call measured slower: 64 rows 52 against 38 ms). The pack is built on first use and again
+any row count, fp32 from FP32_MIN_ROWS to FP32_MAX_ROWS rows. Measured for fp32 (one thread, the
+other core busy; median ms for the 40 weights, F.linear against packed): 1 row 11.0 / 12.4 and 2 rows
+12.2 / 13.1 (F.linear's matrix-vector path already streams), 4 rows 19.7 / 13.1, 8 rows 25.4 / 15.0,
+16 rows 24.3 / 18.3, 64 rows 38 / 52 (compute-bound: the packed call loses). bf16 at 1 to 16 rows:
+9.6-11.2 / 6.8-7.3, and 512 rows 37 / 28. The pack is built on first use and again
 whenever the weight changes (its storage, dtype or in-place version), so training, `.to()` and
 `load_state_dict` need no care. It costs a second copy of each packed weight in memory, so it is
 turned on only for decoding (the MLA model's `generate()`, `transmla bench generate`) and only when
@@ -25,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FP32_MAX_ROWS", "PackedCPULinear", "available_memory_bytes", "onednn_linear_available", "use_packed_linears"]
+__all__ = ["FP32_MAX_ROWS", "FP32_MIN_ROWS", "PackedCPULinear", "available_memory_bytes", "onednn_linear_available", "use_packed_linears"]
 
-FP32_MAX_ROWS = 16
+FP32_MIN_ROWS, FP32_MAX_ROWS = 4, 16  # the fp32 row counts where packing measured faster
 
 
 def onednn_linear_available() -> bool:
@@ -52,7 +55,7 @@ class PackedCPULinear(nn.Linear):
             return False
         if w.dtype == torch.bfloat16:
             return True
-        return w.dtype == torch.float32 and x.numel() // max(x.shape[-1], 1) <= FP32_MAX_ROWS
+        return w.dtype == torch.float32 and FP32_MIN_ROWS <= x.numel() // max(x.shape[-1], 1) <= FP32_MAX_ROWS
 
     def _packed(self) -> torch.Tensor:
         w = self.weight
