@@ -114,6 +114,10 @@ def main() -> int:
         source = source_perplexity(args.source, recipe, recipe.train.threads)
     print(f"source: {source['perplexity']:.3f}", file=sys.stderr)
 
+    stale = Path(recipe.output_dir) / "checkpoints"
+    if stale.is_dir():  # the benchmark measures one whole run, never the tail of an older one
+        print(f"removing {stale} (a previous run's checkpoints)", file=sys.stderr)
+        shutil.rmtree(stale)
     result = run_finetune(recipe)
     out = Path(recipe.output_dir)
     metrics = json.loads((out / "metrics.json").read_text())

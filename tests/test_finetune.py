@@ -275,6 +275,41 @@ def test_resume_continues_identically(tiny, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_refuses_a_run_from_another_start(tiny, tmp_path):
+    """A checkpoint remembers the model its run started from (its config.json's sha256); after that
+    model changed (converted again, replaced) a resume would train the new start from stale weights."""
+    import shutil
+
+    start = tmp_path / "start"
+    shutil.copytree(tiny / "mla", start)
+    recipe = parse_recipe(_recipe(tiny, tmp_path / "run", model={"path": str(start)}, train={"steps": 4},
+                                  eval={"data": None}, checkpoint={"every": 2}))
+    assert not run_finetune(recipe, stop_after=2, progress=False).completed
+    config = json.loads((start / "config.json").read_text())
+    (start / "config.json").write_text(json.dumps(config | {"note": "converted again"}))
+    with pytest.raises(ValueError, match="continues a run that started from another model"):
+        run_finetune(recipe, progress=False)
+    (start / "config.json").write_text(json.dumps(config))  # byte for byte other than the first: still refused
+    with pytest.raises(ValueError, match="started from another model"):
+        run_finetune(recipe, progress=False)
+    fresh = parse_recipe(recipe.dump() | {"checkpoint": {"every": 2, "resume": "never"}})
+    assert run_finetune(fresh, progress=False).completed
+
+
+def test_new_conversion_refuses_stale_checkpoints(tiny, tmp_path):
+    """model.convert changed (or its defaults did): the checkpoints of the previous conversion's run
+    are refused before anything is converted."""
+    model = {"source": str(tiny / "src"), "convert": {"method": "lossless"}}
+    first = parse_recipe(_recipe(tiny, tmp_path / "conv", train={"steps": 4}, eval={"data": None},
+                                 checkpoint={"every": 2}) | {"model": model})
+    assert not run_finetune(first, stop_after=2, progress=False).completed
+    stamp = (tmp_path / "conv" / "converted" / "config.json").stat().st_mtime_ns
+    changed = parse_recipe(first.dump() | {"model": {**model, "convert": {"method": "lossless", "dtype": "bf16"}}})
+    with pytest.raises(ValueError, match="earlier conversion"):
+        run_finetune(changed, progress=False)
+    assert (tmp_path / "conv" / "converted" / "config.json").stat().st_mtime_ns == stamp  # nothing converted
+
+
 @pytest.mark.parametrize("trainable", ["mla", "attention"])
 def test_frozen_parameters_unchanged(tiny, tmp_path, trainable):
     import re

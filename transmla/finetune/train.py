@@ -103,6 +103,7 @@ class TrainerState:
     tokens: int = 0
     processes: int = 1
     sequences_per_step: int = 0  # processes x micro_batch_size x grad_accum (0: not recorded)
+    start_model: str = ""  # sha256 of the starting model's config.json ("": not recorded)
     train_log: list[dict] = field(default_factory=list)
     eval_log: list[dict] = field(default_factory=list)
 
@@ -186,6 +187,25 @@ def _check_resume_layout(resume: Path, state: TrainerState, world: int, micro: i
         )
 
 
+def start_model_fingerprint(model_dir: Path) -> str:
+    """What identifies the model a run starts from: the sha256 of its config.json, which records how
+    it was converted (method, calibration, fit) and changes with every conversion."""
+    import hashlib
+
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+
+
+def _check_resume_model(resume: Path, state: TrainerState, fingerprint: str, model_dir: Path, output_dir: Path) -> None:
+    """A checkpoint continues only the run that started from the same model: after a new conversion
+    (other convert settings, or other defaults) or another model.path its weights belong elsewhere."""
+    if state.start_model and state.start_model != fingerprint:
+        raise ValueError(
+            f"{resume} continues a run that started from another model than {model_dir} (its config.json "
+            f"differs: converted again or replaced); remove {output_dir / 'checkpoints'} or set "
+            "checkpoint.resume: never to train from the new start"
+        )
+
+
 def _log(accelerator, message: str) -> None:
     if accelerator.is_main_process:
         stderr_console.print(message, highlight=False)
@@ -216,6 +236,12 @@ def _converted_dir(recipe: Recipe, accelerator, progress: bool) -> tuple[Path, s
         if reuse:
             _log(accelerator, f"[dim]reusing the conversion in {target}[/dim]")
         else:
+            stale = _checkpoints(recipe.output_dir / "checkpoints") if recipe.checkpoint.resume == "auto" else []
+            if stale:  # they were trained from the previous conversion: resuming would mix the two
+                raise ValueError(
+                    f"{stale[-1]} was trained from an earlier conversion with other settings than model.convert "
+                    f"now gives; remove {recipe.output_dir / 'checkpoints'} or set checkpoint.resume: never"
+                )
             from ..convert.api import convert
             from ..convert.options import ConvertOptions
 
@@ -579,6 +605,7 @@ class Trainer:
         self.model, self.optimizer = model, optimizer
         self.state = state = TrainerState()
 
+        fingerprint = start_model_fingerprint(self.model_dir)
         self.resume = resume = _resume_dir(recipe)
         if resume is not None and tr.fsdp:
             raise ValueError(f"train.fsdp: cannot resume from {resume} (sharded runs write no checkpoints yet); "
@@ -588,8 +615,10 @@ class Trainer:
                 resume, accelerator.unwrap_model(model), optimizer, self.scheduler, rank=accelerator.process_index
             ))
             _check_resume_layout(resume, state, world, B, A)
+            _check_resume_model(resume, state, fingerprint, self.model_dir, recipe.output_dir)
             _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
         state.processes, state.sequences_per_step = world, B * A * world
+        state.start_model = state.start_model or fingerprint
         self.train_wall = 0.0  # this run's training steps: seconds and tokens
         self.train_tokens = 0
 
