@@ -124,6 +124,22 @@ def test_an_exact_layer_stays_exact(tiny_factory):
         assert torch.equal(fitted.state_dict("")[name], tensor), name
 
 
+def test_a_diverging_adam_falls_back_to_the_closed_form_o_proj(tiny_factory):
+    """Adam with a learning rate far too large for the weights (as 3e-3 was for most layers of
+    Qwen2.5-Coder-1.5B) leaves a layer worse: the o_proj-only refit is kept, not the method's layer."""
+    source, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    _, stream = _stream(path, None)
+    layer = next(iter(stream))
+    x, z = _source_io(source, 0, _ids(4, 8, 16))
+    closed, info_closed = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=0))
+    assert info_closed["output_error"][1] < info_closed["output_error"][0]
+    diverged, info = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=20, lr=10.0))
+    assert info["output_error"] == info_closed["output_error"]
+    for name, tensor in closed.state_dict("").items():
+        assert torch.equal(diverged.state_dict("")[name], tensor), name
+
+
 def test_fitted_conversion_through_files_is_closer_to_the_source(tiny_factory, tmp_path):
     """The production path: convert with the fit, write, reload with from_pretrained; the logits on
     held-out tokens are closer to the source's than without the fit, and latent-cache decode agrees."""
