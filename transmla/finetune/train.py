@@ -618,7 +618,7 @@ class Trainer:
             _check_resume_model(resume, state, fingerprint, self.model_dir, recipe.output_dir)
             _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
         state.processes, state.sequences_per_step = world, B * A * world
-        state.start_model = state.start_model or fingerprint
+        state.start_model = fingerprint  # a resumed run has been checked to share it
         self.train_wall = 0.0  # this run's training steps: seconds and tokens
         self.train_tokens = 0
 
