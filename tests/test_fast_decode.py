@@ -18,14 +18,15 @@ from transmla.mla.model import build_mla_model, mla_config_for, set_decode_mode
 D_C, D_R = 10, 6
 
 
-def random_mla_model(tiny_factory, bias: bool = False, narrow_latent: bool = False):
-    """A random MLA model over the tiny llama geometry (6 heads, 2 layers, hidden 48), d_c = 10, d_r = 6;
+def random_mla_model(tiny_factory, bias: bool = False, narrow_latent: bool = False, d_c: int = D_C, d_r: int = D_R):
+    """A random MLA model over the tiny llama geometry (6 heads, 2 layers, hidden 48), d_c = 10, d_r = 6 by default;
     narrow_latent: d_c <= d_nope and d_c <= d_v, so a prefill of >= 48 tokens folds W_UK / W_UV into the weights."""
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
-    d_nope, d_v = (12, 10) if narrow_latent else (5, 7)
-    mla = MLAConfig(num_heads=6, hidden_size=48, kv_lora_rank=D_C, qk_rope_head_dim=D_R, qk_nope_head_dim=d_nope,
-                    v_head_dim=d_v, softmax_scale=0.4, rope_inv_freq=[[1.0, 0.3, 0.01]] * 2, kv_a_norm=True,
+    d_nope, d_v = (d_c + 2, d_c) if narrow_latent else (5, 7)
+    freqs = [0.5 ** i for i in range(d_r // 2)]
+    mla = MLAConfig(num_heads=6, hidden_size=48, kv_lora_rank=d_c, qk_rope_head_dim=d_r, qk_nope_head_dim=d_nope,
+                    v_head_dim=d_v, softmax_scale=0.4, rope_inv_freq=[freqs] * 2, kv_a_norm=True,
                     q_bias=bias, kv_a_bias=bias, kv_b_bias=bias, o_bias=bias)
     config._attn_implementation = "sdpa"
     torch.manual_seed(1)

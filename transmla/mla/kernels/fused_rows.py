@@ -7,7 +7,9 @@ dropped. With key = value = rows every operand has the same width, so PyTorch's 
 (flash) SDPA kernel on the CPU takes it: scores, softmax and the output product in one pass
 over the cache, nothing of size S materialised per head, fp32 or bf16.
 
-Layouts: a few queries without a mask (decode) fold the T*H query rows of a sequence into one
+One new token per sequence in fp32 on the CPU without a mask (decode) goes to the C kernel of
+cpu_decode.py when it is built (about a third less time than SDPA here, kernels/NOTES.md).
+Otherwise, layouts: a few queries without a mask fold the T*H query rows of a sequence into one
 "head" of length T*H against the one KV head, so the cache of a sequence is read once for all
 heads. Many queries (prefill) or a padding mask: H query heads against one KV head
 (``enable_gqa``), SDPA's causal flag when there is no mask, else the given boolean mask.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .cpu_decode import mla_decode_cpu
 
 __all__ = ["attend_rows"]
 
@@ -31,6 +35,10 @@ def attend_rows(
 ) -> torch.Tensor:  # [B, T, H, d_c]
     B, T, H, width = q_rows.shape
     S = rows.shape[1]
+    if mask is None and T == 1:
+        out = mla_decode_cpu(q_rows, rows, d_c, softmax_scale)  # [B, 1, H, d_c], None where it cannot run
+        if out is not None:
+            return out
     kv = rows[:, None]  # [B, 1, S, d_c + d_r]: one KV head, value = key
     if mask is None and T <= fold_max_queries:
         q = q_rows.reshape(B, 1, T * H, width)  # [B, 1, T*H, d_c + d_r], row m = t*H + h

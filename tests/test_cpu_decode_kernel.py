@@ -1,0 +1,104 @@
+"""The C decode kernel (mla/kernels/cpu_decode.c): equal to the reference absorbed decode in fp32,
+on odd shapes and strided caches, through generate(); and without a compiler the SDPA path runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transmla.mla.kernels import cpu_decode
+from transmla.mla.kernels.fused_rows import attend_rows
+from transmla.mla.kernels.reference import mla_decode_reference
+
+from test_fast_decode import random_mla_model, reference_logits
+
+
+def _reference(q_rows, rows, d_c, scale):
+    return mla_decode_reference(q_rows[..., :d_c], q_rows[..., d_c:], rows[..., :d_c], rows[..., d_c:], scale)
+
+
+@pytest.mark.parametrize("B,S,H,W,d_c", [(2, 1, 9, 96, 64), (3, 15, 9, 96, 64), (2, 64, 4, 32, 16), (2, 200, 5, 48, 32),
+                                         (1, 1000, 12, 128, 80)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_equals_reference_decode(B, S, H, W, d_c, threads):
+    """Odd head counts, lengths below / across / not a multiple of the 64-key tile, a cache with
+    spare capacity (a strided view, as LatentCache hands it over), scores large enough to need the
+    running max, and the batch split over threads."""
+    torch.manual_seed(S)
+    rows = torch.randn(B, S + 9, W)[:, :S]  # [B, S, W], batch stride (S + 9) * W
+    q_rows = torch.randn(B, 1, H, W) * 3
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_decode.mla_decode_cpu(q_rows, rows, d_c, 0.2)
+    finally:
+        torch.set_num_threads(old)
+    assert out is not None, cpu_decode.kernel_status()
+    assert out.shape == (B, 1, H, d_c)
+    torch.testing.assert_close(out, _reference(q_rows, rows, d_c, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_refuses_what_it_does_not_cover():
+    rows = torch.randn(2, 10, 32)
+    assert not cpu_decode.supports(torch.randn(2, 2, 3, 32), rows, 16)  # two query tokens
+    assert not cpu_decode.supports(torch.randn(2, 1, 3, 32).bfloat16(), rows.bfloat16(), 16)  # bf16
+    assert not cpu_decode.supports(torch.randn(2, 1, 3, 32), rows, 10)  # d_c not a multiple of 16
+    assert not cpu_decode.supports(torch.randn(2, 1, 3, 40), torch.randn(2, 10, 40), 16)  # width
+    assert cpu_decode.supports(torch.randn(2, 1, 3, 32), rows, 16)
+
+
+def _without_kernel_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRANSMLA_CACHE", str(tmp_path))
+    cpu_decode.decode_kernel.cache_clear()
+
+
+def test_no_compiler_falls_back_to_sdpa_with_the_reason(monkeypatch, tmp_path):
+    _without_kernel_cache(monkeypatch, tmp_path)
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    try:
+        q_rows, rows = torch.randn(2, 1, 3, 32), torch.randn(2, 20, 32)
+        assert cpu_decode.mla_decode_cpu(q_rows, rows, 16, 0.3) is None
+        assert "no-such-compiler-here" in cpu_decode.kernel_status()[(3, 32, 16)]
+        out = attend_rows(q_rows, rows, 16, 0.3)  # the SDPA path
+        torch.testing.assert_close(out, _reference(q_rows, rows, 16, 0.3), atol=1e-5, rtol=1e-5)
+        assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
+    finally:
+        cpu_decode.decode_kernel.cache_clear()
+
+
+def test_a_failing_build_leaves_nothing_and_the_env_switch_turns_it_off(monkeypatch, tmp_path):
+    _without_kernel_cache(monkeypatch, tmp_path)
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_decode, "SOURCE", bad)
+    try:
+        assert cpu_decode.decode_kernel(3, 32, 16) is None
+        assert cpu_decode.kernel_status()[(3, 32, 16)].startswith("unavailable: ")
+        assert [p.name for p in (tmp_path / "kernels").iterdir()] == []
+    finally:
+        cpu_decode.decode_kernel.cache_clear()
+    monkeypatch.setenv("TRANSMLA_CPU_KERNEL", "0")
+    assert not cpu_decode.supports(torch.randn(2, 1, 3, 32), torch.randn(2, 10, 32), 16)
+
+
+def test_generate_through_the_kernel_equals_the_full_forward(tiny_factory):
+    """A model whose rows fit the kernel (d_c 16, d_r 16): greedy generate() for several steps, each
+    step's logits equal a full causal pass without a cache (expanded attention), fp32 1e-5."""
+    model = random_mla_model(tiny_factory, d_c=16, d_r=16)
+    calls = []
+    original = cpu_decode.decode_kernel
+
+    def counted(*shape):
+        calls.append(shape)
+        return original(*shape)
+
+    prompt = torch.randint(0, 97, (3, 70))  # past one 64-key tile
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_decode, "decode_kernel", counted)
+        out = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    assert calls and set(calls) == {(6, 32, 16)} and original(6, 32, 16) is not None
+    with torch.no_grad():
+        for step, logits in enumerate(out.logits):
+            ref = reference_logits(model, out.sequences[:, : prompt.shape[1] + step])
+            torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)

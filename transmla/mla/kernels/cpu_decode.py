@@ -1,0 +1,134 @@
+"""The CPU decode kernel (cpu_decode.c): absorbed MLA attention of one new token, fp32.
+
+PyTorch's fused SDPA on the CPU spends ~240 cycles per cached row at B = 8 / 8K on this machine
+(kernels/NOTES.md) where the work is 9 heads x (96 + 64) multiply-adds; the C kernel reads each
+row once into L1 and does the scores, an online softmax and the value product there. It is built
+on first use with the machine's C compiler (``$CC`` or ``cc``; -O3 -march=native) into
+``$TRANSMLA_CACHE/kernels`` (default ~/.cache/transmla/kernels), once per shape (query rows, row
+width, value width) and source version, and loaded with ctypes (the call releases the GIL).
+Without a compiler, or when the build fails, ``decode_kernel`` returns None once with the reason
+in ``kernel_status`` and callers keep PyTorch's SDPA: the kernel is an optimisation, never a
+requirement. ``TRANSMLA_CPU_KERNEL=0`` turns it off.
+
+Used for: CPU, fp32, one query token per sequence (decode), no padding mask, width and value width
+multiples of 16, at most MAX_ROWS query heads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["MAX_ROWS", "decode_kernel", "kernel_status", "mla_decode_cpu", "supports"]
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+MAX_ROWS = 64  # query rows (heads) per sequence: the kernel keeps M x d_c accumulators on its stack
+ENV_OFF = "TRANSMLA_CPU_KERNEL"
+_status: dict[tuple, str] = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "kernels"
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
+    """Can the kernel run this call? q_rows [B, 1, H, W], rows [B, S, W]."""
+    B, T, H, W = q_rows.shape
+    return (_enabled() and q_rows.device.type == "cpu" and q_rows.dtype == torch.float32
+            and rows.dtype == torch.float32 and T == 1 and H <= MAX_ROWS and W % 16 == 0 and d_c % 16 == 0
+            and 0 < d_c <= W and rows.shape[-1] == W and rows.stride(-1) == 1 and rows.stride(1) == W)
+
+
+def _build(rows: int, width: int, d_c: int) -> Path:
+    """Compile the kernel for this shape (atomically: a half-written library is never loaded)."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+    defines = (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + defines + (compiler, platform.machine())).encode())
+    target = _cache_dir() / f"mla_decode_m{rows}_w{width}_dc{d_c}_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
+            raise RuntimeError(f"{compiler} failed: {errors[0].strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def decode_kernel(rows: int, width: int, d_c: int):
+    """The compiled kernel's function for this shape, or None (reason in kernel_status())."""
+    try:
+        lib = ctypes.CDLL(str(_build(rows, width, d_c)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _status[(rows, width, d_c)] = f"unavailable: {exc}"
+        return None
+    fn = lib.mla_decode_fp32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                   ctypes.c_float, ctypes.c_void_p]
+    fn.restype = None
+    _status[(rows, width, d_c)] = "compiled"
+    return fn
+
+
+def kernel_status() -> dict[tuple, str]:
+    """{(rows, width, d_c): "compiled" or "unavailable: why"} for every shape asked for so far."""
+    return dict(_status)
+
+
+@functools.lru_cache(maxsize=1)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mla-decode")
+
+
+def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
+    """o_lat [B, 1, H, d_c] for q_rows [B, 1, H, W] = [q_lat | q_rope] against rows [B, S, W] = [c | k_r],
+    or None when the kernel cannot run here (the caller falls back). With several torch threads
+    the batch is split over them (the C call releases the GIL)."""
+    if not supports(q_rows, rows, d_c):
+        return None
+    B, _, H, W = q_rows.shape
+    fn = decode_kernel(H, W, d_c)
+    if fn is None:
+        return None
+    S = rows.shape[1]
+    q = q_rows.contiguous()
+    out = q.new_empty(B, 1, H, d_c)
+    stride = rows.stride(0)
+
+    def run(b0: int, b1: int) -> None:
+        fn(q.data_ptr() + b0 * H * W * 4, rows.data_ptr() + b0 * stride * 4, stride, b1 - b0, S,
+           softmax_scale, out.data_ptr() + b0 * H * d_c * 4)
+
+    threads = min(torch.get_num_threads(), B)
+    if threads <= 1:
+        run(0, B)
+    else:
+        bounds = [B * i // threads for i in range(threads + 1)]
+        list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
+    return out
