@@ -20,9 +20,10 @@ KV cache at that context, both in the same dtype. Goal: MLA tokens/s over the so
 at every context >= 8K; prefill within 1.2x of the source's.
 
 Settings ending in `-plain` run the MLA model's linears through plain F.linear (`--no-packed-linears`):
-every row measured before mla/packed_linear.py existed was such a row. The others use its
-oneDNN-prepacked weights (the default of `transmla bench generate` and of generate()); the source
-always runs stock.
+every row measured before mla/packed_linear.py existed was such a row, and their decode attention
+was PyTorch's fused SDPA. The others use its oneDNN-prepacked weights (the default of `transmla
+bench generate` and of generate()) and, in fp32, the C decode kernel (mla/kernels/cpu_decode.py;
+column `MLA attention`, from each row's `decode_attention`); the source always runs stock.
 
 Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
 saved after every setting (resumable). Run one benchmark process at a time; the load average is
@@ -64,16 +65,21 @@ PACKED_SETTINGS = [
     _setting("25", "fp32", 1, 32768, False),
     _setting("25", "fp32", 8, 2048, True),
     _setting("25", "fp32", 8, 8192, False),
+    _setting("25", "fp32", 8, 16384, False),
+    _setting("25", "fp32", 8, 32768, False),
     _setting("25", "bf16", 1, 8192, False),
     _setting("25", "bf16", 1, 32768, False),
     _setting("25", "bf16", 8, 8192, False),
     _setting("12.5", "fp32", 1, 8192, False),
     _setting("12.5", "fp32", 1, 32768, False),
+    _setting("12.5", "fp32", 8, 8192, False),
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
 # every row was measured before the packed linears (mla/packed_linear.py) existed.
+PLAIN = ("25-fp32-b1-2k", "25-fp32-b1-4k", "25-fp32-b1-8k", "25-fp32-b1-16k", "25-fp32-b1-32k", "25-fp32-b8-2k",
+         "25-fp32-b8-8k", "25-bf16-b1-8k", "25-bf16-b1-32k", "25-bf16-b8-8k", "12.5-fp32-b1-8k", "12.5-fp32-b1-32k")
 SETTINGS = PACKED_SETTINGS + [_setting(s["budget"], s["dtype"], s["batch"], s["context"], s["prefill"], "plain")
-                              for s in PACKED_SETTINGS]
+                              for s in PACKED_SETTINGS if s["name"] in PLAIN]
 
 
 def converted_model(budget: str) -> Path:
@@ -114,16 +120,16 @@ def write_report(results: dict) -> None:
         "",
         f"Machine: {results.get('machine', '?')}.",
         "",
-        "| setting | MLA linears | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
+        "| setting | MLA linears | MLA attention | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
         "prefill MLA s | prefill source s | prefill ratio | MLA cache MB | source cache MB | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mla = r["rows"][0]
         src = next(x for x in r["rows"][1:] if x["cache"] == mla["source_cache"])
         env = r["environment"]
         lines.append(
-            f"| {r['name']} | {r.get('linears', 'plain')} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
+            f"| {r['name']} | {r.get('linears', 'plain')} | {mla.get('decode_attention', 'sdpa')} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
             f"| {src['decode_tokens_per_second']:.2f} | {src['cache']} | {mla['speedup_vs_source']:.2f} "
             f"| {mla['ideal_speedup']:.2f} | {mla['fraction_of_ideal']:.2f} | {_ratio(mla['prefill_seconds'], '.1f')} "
             f"| {_ratio(min((x['prefill_seconds'] for x in r['rows'][1:] if x['prefill_seconds']), default=None), '.1f')} "

@@ -210,7 +210,8 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
                         _free(device)
             peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
             row = _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak)
-            row.update(cache=kind, decode_mode="auto" if mla else None, linears=linears or "plain (stock)")
+            row.update(cache=kind, decode_mode="auto" if mla else None, linears=linears or "plain (stock)",
+                       decode_attention=_decode_attention(model, device) if mla else "stock")
             rows.append(row)
             del cache
             _free(device)
@@ -220,6 +221,19 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
         del model
         _free(device)
     return rows
+
+
+def _decode_attention(model, device: str) -> str:
+    """Which attention the MLA model's decode steps ran: the C kernel (mla/kernels/cpu_decode.py),
+    the Triton kernel (CUDA) or PyTorch's fused SDPA."""
+    if device == "cuda":
+        return "triton"
+    from ..mla.kernels.cpu_decode import kernel_status
+
+    m = model.config.mla
+    shape = (model.config.num_attention_heads, m["kv_lora_rank"] + m["qk_rope_head_dim"], m["kv_lora_rank"])
+    built = kernel_status().get(shape) == "compiled" and next(model.parameters()).dtype == torch.float32
+    return "c-kernel" if built else "sdpa"
 
 
 def _unique_parameter_bytes(model) -> int:
