@@ -175,3 +175,21 @@ def test_fit_steps_defaults_and_errors(tiny_factory, cli, tmp_path):
     code, _, err = cli("convert", path, tmp_path / "b", "--method", "lossless", "--fit-steps", "5")
     assert code != 0 and "--fit-steps needs a calibrated method" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_diverging_adam_restarts_at_a_smaller_rate(tiny_factory):
+    """Ten times the default rate makes this layer's loss rise: Adam restarts at a third, then a ninth of
+    it, and the fitted layer is kept (far below the closed form's error, as low as at the default rate).
+    At the default rate nothing backs off."""
+    source, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    _, stream = _stream(path, None)
+    layer = next(iter(stream))
+    x, z = _source_io(source, 0, _ids(4, 8, 16))
+    _, closed = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=0))
+    _, default = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=60))
+    _, fast = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=60, lr=0.03))
+    assert default["fit_lr"] == 3e-3
+    assert fast["fit_lr"] == pytest.approx(0.03 / 9)
+    assert fast["output_error"][1] < 0.5 * closed["output_error"][1]
+    assert fast["output_error"][1] < 1.1 * default["output_error"][1]

@@ -15,9 +15,10 @@ is the attention output. Per layer, with X [N, T, D] the attention input of the 
    same dev perplexity as fp32 on the built-in model, a quarter to a third less time here);
 3. o_proj in closed form again (the optimum for the other projections as fitted).
 Of the method's layer, the layer after step 1 and the layer after step 3, the one with the lowest
-error on the fit sequences is kept. Adam's fixed learning rate can make a layer worse where the
-weights are on another scale: on Qwen2.5-Coder-1.5B at 25% steps 2-3 raised the error in 22 of 28
-layers, which then fell back to the method's layer even though step 1 alone lowers it.
+error on the fit sequences is kept. Adam's learning rate can make a layer worse where the
+weights are on another scale: on Qwen2.5-Coder-1.5B at 25% steps 2-3 at 3e-3 raised the error in 22 of
+28 layers. So a run whose loss rises restarts at a third of the rate (adam_fit), and a layer that is
+still worse falls back to the best earlier candidate.
 
 The shapes never change, so the fitted layer exports as the unfitted one would. Measured on the
 built-in model: benchmarks/results/output_fit.md.
@@ -35,6 +36,9 @@ from .layers import MLALayer
 
 RIDGE = 1e-3
 MINIBATCH_TOKENS = 2048
+DIVERGENCE_WINDOW = 10  # Adam steps per divergence check (adam_fit)
+BACKOFF = 3.0  # the learning rate's divisor after a divergence
+MAX_BACKOFFS = 2
 # 256 sequences x 64 tokens, measured against 64 x 256 at the same tokens (dev32, SmolLM2 at 25%):
 # 53.2 vs 54.4; the attention-sink token starts every sequence.
 DEFAULT_FIT_CALIBRATION = (256, 64)
@@ -90,23 +94,52 @@ def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_
     return err / max(float(z.double().pow(2).sum()), 1e-30)
 
 
-def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int, settings: FitSettings) -> None:
-    """Step 2: Adam on every parameter of `attn` against the relative squared output error, in place."""
+def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
+              settings: FitSettings, lr: float) -> bool:
+    """`settings.steps` Adam steps at `lr`, in place; False as soon as the loss diverges (see adam_fit)."""
     params = list(attn.parameters())
-    opt = torch.optim.Adam(params, lr=settings.lr)
+    opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(settings.seed)
     scale = z.pow(2).mean()
+    losses: list[float] = []
     with torch.enable_grad():
-        for _ in range(settings.steps):
+        for step in range(settings.steps):
             pick = torch.randint(0, x.shape[0], (batch,), generator=gen).to(x.device)  # [batch] sequences
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
                 out = attn(x[pick], position_ids=position_ids)[0]
             loss = (out.float() - z[pick]).pow(2).mean() / scale
+            losses.append(float(loss.detach()))
+            # from step 2 * window on (Adam's first steps may overshoot), every window steps
+            if (step + 1) % DIVERGENCE_WINDOW == 0 and step + 1 >= 2 * DIVERGENCE_WINDOW:
+                if sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > losses[0]:
+                    return False
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-    for p in params:
-        p.requires_grad_(False)
+    return True
+
+
+def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int, settings: FitSettings) -> float:
+    """Step 2: Adam on every parameter of `attn` against the relative squared output error, in place;
+    returns the learning rate that ran. Adam's step is about lr per weight whatever the weights'
+    scale, so a rate that suits one model throws another's weights around (Qwen2.5-1.5B's attention
+    weights are ~10x smaller than SmolLM2's: at 3e-3 its layer 0 went from 0.20 to 0.63). When the
+    mean minibatch loss of the last DIVERGENCE_WINDOW steps exceeds the loss before the first step
+    (checked every DIVERGENCE_WINDOW steps from the second window on), the layer is reset and the run restarts at a third of the rate,
+    at most MAX_BACKOFFS times; a run that never diverges is exactly the plain run."""
+    start = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    lr = settings.lr
+    try:
+        for attempt in range(MAX_BACKOFFS + 1):
+            if _adam_run(attn, x, z, position_ids, batch, settings, lr) or attempt == MAX_BACKOFFS:
+                return lr
+            with torch.no_grad():
+                attn.load_state_dict(start)
+            lr /= BACKOFF
+    finally:
+        for p in attn.parameters():
+            p.requires_grad_(False)
+    return lr
 
 
 def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
@@ -115,7 +148,8 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
 
     config: the source's; layer: the method's MLA layer; x [N, T, D]: the fit sequences' attention
     input (float32, not inference tensors); z [N, T, D]: the source attention's output on x.
-    Returns the fitted layer (same shapes) and {"output_error": [before, after]} (relative, on x).
+    Returns the fitted layer (same shapes) and {"output_error": [before, after]} (relative, on x), with
+    "fit_lr", Adam's learning rate after any backoff, when Adam ran.
     """
     N, T, _ = x.shape
     attn = mla_attention(config, layer, x.device)  # float32
@@ -130,14 +164,15 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
             err = output_error(attn, x, z, position_ids, batch)
             if err < best_error:
                 best, best_error = layer_of(attn, layer), err
+    info = {}
     if settings.steps:
-        adam_fit(attn, x, z, position_ids, batch, settings)
+        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings)
         if settings.closed_form:
             refit_o_proj(attn, x, z, position_ids, batch)
     after = output_error(attn, x, z, position_ids, batch)
     if after < best_error:
         best, best_error = layer_of(attn, layer), after
-    return best, {"output_error": [round(before, 6), round(best_error, 6)]}
+    return best, {"output_error": [round(before, 6), round(best_error, 6)], **info}
 
 
 def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
