@@ -82,15 +82,21 @@ def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bi
                                               "sequences": [64, 32]}
 
 
+def _first_layer_io(tiny_factory, ids):
+    """The tiny llama's config, its first layer as the method converts it, and that layer's
+    attention input x and source output z on `ids`."""
+    source, path = tiny_factory("llama")
+    _, stream = _stream(path, None)
+    layer = next(iter(stream))
+    x, z = _source_io(source, 0, ids)
+    return AutoConfig.from_pretrained(path), layer, x, z
+
+
 def test_closed_form_o_proj_minimises_the_ridge_objective(tiny_factory):
     """The closed form, accumulated over batches of 5 sequences, is the stationary point of
     ||Y W^T - Z||^2 + lam ||W - W0||^2 (Y from a separate forward, gradient by autograd), and it
     predicts Z better than the converted o_proj."""
-    source, path = tiny_factory("llama")
-    config = AutoConfig.from_pretrained(path)
-    _, stream = _stream(path, None)
-    layer = next(iter(stream))
-    x, z = _source_io(source, 0, _ids(3, 16, 24))
+    config, layer, x, z = _first_layer_io(tiny_factory, _ids(3, 16, 24))
     attn = mla_attention(config, layer, "cpu")
     pos = torch.arange(x.shape[1])[None]
     seen = []
@@ -127,11 +133,7 @@ def test_an_exact_layer_stays_exact(tiny_factory):
 def test_a_diverging_adam_falls_back_to_the_closed_form_o_proj(tiny_factory):
     """Adam with a learning rate far too large for the weights (as 3e-3 was for most layers of
     Qwen2.5-Coder-1.5B) leaves a layer worse: the o_proj-only refit is kept, not the method's layer."""
-    source, path = tiny_factory("llama")
-    config = AutoConfig.from_pretrained(path)
-    _, stream = _stream(path, None)
-    layer = next(iter(stream))
-    x, z = _source_io(source, 0, _ids(4, 8, 16))
+    config, layer, x, z = _first_layer_io(tiny_factory, _ids(4, 8, 16))
     closed, info_closed = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=0))
     assert info_closed["output_error"][1] < info_closed["output_error"][0]
     diverged, info = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=20, lr=10.0))
@@ -181,11 +183,7 @@ def test_a_diverging_adam_restarts_at_a_smaller_rate(tiny_factory):
     """Ten times the default rate makes this layer's loss rise: Adam restarts at a third, then a ninth of
     it, and the fitted layer is kept (far below the closed form's error, as low as at the default rate).
     At the default rate nothing backs off."""
-    source, path = tiny_factory("llama")
-    config = AutoConfig.from_pretrained(path)
-    _, stream = _stream(path, None)
-    layer = next(iter(stream))
-    x, z = _source_io(source, 0, _ids(4, 8, 16))
+    config, layer, x, z = _first_layer_io(tiny_factory, _ids(4, 8, 16))
     _, closed = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=0))
     _, default = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=60))
     _, fast = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=60, lr=0.03))
