@@ -18,12 +18,13 @@ def _reference(q_rows, rows, d_c, scale):
 
 
 @pytest.mark.parametrize("B,S,H,W,d_c", [(2, 1, 9, 96, 64), (3, 15, 9, 96, 64), (2, 64, 4, 32, 16), (2, 200, 5, 48, 32),
+                                         (1, 5000, 9, 96, 64), (1, 4097, 3, 32, 16),
                                          (1, 1000, 12, 128, 80)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_reference_decode(B, S, H, W, d_c, threads):
     """Odd head counts, lengths below / across / not a multiple of the 64-key tile, a cache with
     spare capacity (a strided view, as LatentCache hands it over), scores large enough to need the
-    running max, and the batch split over threads."""
+    running max, and the work split over threads (by sequence, or one sequence's cache in parts)."""
     torch.manual_seed(S)
     rows = torch.randn(B, S + 9, W)[:, :S]  # [B, S, W], batch stride (S + 9) * W
     q_rows = torch.randn(B, 1, H, W) * 3

@@ -100,8 +100,11 @@ static inline vf transpose_add(vf a[16]) {
          + __builtin_shufflevector(x[0], x[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-/* One sequence: q [M][W] (already times scale * log2 e), rows [S][W], out [M][DC]. */
-static void attend_one(const float *restrict q, const float *restrict rows, long S, float *restrict out) {
+/* One sequence: q [M][W] (already times scale * log2 e), rows [S][W], out [M][DC]. With part_max and
+ * part_sum (each [M]) the output is left unnormalised (sum_j 2^(s_j - max) c_j) and the running max
+ * (base 2) and sum are written there, for a caller that merges parts of one sequence. */
+static void attend_one(const float *restrict q, const float *restrict rows, long S, float *restrict out,
+                       float *restrict part_max, float *restrict part_sum) {
     float acc[M][DC] __attribute__((aligned(64)));
     float p[M][TILE] __attribute__((aligned(64)));
     float run_max[M], run_sum[M];
@@ -167,17 +170,21 @@ static void attend_one(const float *restrict q, const float *restrict rows, long
     }
     for (int m = 0; m < M; m++) {
         float inv = run_sum[m] > 0.f ? 1.f / run_sum[m] : 0.f;  /* S = 0: zeros */
+        if (part_max) { part_max[m] = run_max[m]; part_sum[m] = run_sum[m]; inv = 1.f; }
         for (int c = 0; c < DV; c++) store(out + m * DC + c * L, load(&acc[m][c * L]) * inv);
     }
 }
 
 /* q [B][M][W] contiguous; rows: sequence b's row j at rows + b * batch_stride + j * W;
- * out [B][M][DC] contiguous. scale: the softmax scale (natural base). */
-void mla_decode_fp32(const float *q, const float *rows, long batch_stride, long B, long S, float scale, float *out) {
+ * out [B][M][DC] contiguous. scale: the softmax scale (natural base). part_max, part_sum: NULL, or
+ * [B][M] each for unnormalised parts (see attend_one). */
+void mla_decode_fp32(const float *q, const float *rows, long batch_stride, long B, long S, float scale, float *out,
+                     float *part_max, float *part_sum) {
     const float k = scale * 1.4426950408889634f;   /* log2(e): the softmax runs in base 2 */
     float qs[M * W] __attribute__((aligned(64)));
     for (long b = 0; b < B; b++) {
         for (int i = 0; i < M * W; i++) qs[i] = q[b * M * W + i] * k;
-        attend_one(qs, rows + b * batch_stride, S, out + b * M * DC);
+        attend_one(qs, rows + b * batch_stride, S, out + b * M * DC,
+                   part_max ? part_max + b * M : NULL, part_sum ? part_sum + b * M : NULL);
     }
 }

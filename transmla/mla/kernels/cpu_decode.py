@@ -33,6 +33,7 @@ __all__ = ["MAX_ROWS", "decode_kernel", "kernel_status", "mla_decode_cpu", "supp
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+MIN_PART_ROWS = 2048  # cached rows per thread below which one sequence is not split
 MAX_ROWS = 64  # query rows (heads) per sequence: the kernel keeps M x d_c accumulators on its stack
 ENV_OFF = "TRANSMLA_CPU_KERNEL"
 _status: dict[tuple, str] = {}
@@ -90,7 +91,7 @@ def decode_kernel(rows: int, width: int, d_c: int):
         return None
     fn = lib.mla_decode_fp32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                   ctypes.c_float, ctypes.c_void_p]
+                   ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     _status[(rows, width, d_c)] = "compiled"
     return fn
@@ -108,8 +109,10 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
     """o_lat [B, 1, H, d_c] for q_rows [B, 1, H, W] = [q_lat | q_rope] against rows [B, S, W] = [c | k_r],
-    or None when the kernel cannot run here (the caller falls back). With several torch threads
-    the batch is split over them (the C call releases the GIL)."""
+    or None when the kernel cannot run here (the caller falls back). With several torch threads the
+    work is split over them (the C call releases the GIL): by sequence when there are at least as
+    many sequences as threads, else each sequence's cache in equal parts, merged by their
+    log-sum-exp (a softmax over parts: out = sum_p 2^(m_p - m) acc_p / sum_p 2^(m_p - m) l_p)."""
     if not supports(q_rows, rows, d_c):
         return None
     B, _, H, W = q_rows.shape
@@ -118,17 +121,32 @@ def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_s
         return None
     S = rows.shape[1]
     q = q_rows.contiguous()
-    out = q.new_empty(B, 1, H, d_c)
     stride = rows.stride(0)
+    threads = min(torch.get_num_threads(), max(B, S // MIN_PART_ROWS))
+    if threads <= 1 or B >= threads:
+        out = q.new_empty(B, 1, H, d_c)
 
-    def run(b0: int, b1: int) -> None:
-        fn(q.data_ptr() + b0 * H * W * 4, rows.data_ptr() + b0 * stride * 4, stride, b1 - b0, S,
-           softmax_scale, out.data_ptr() + b0 * H * d_c * 4)
+        def run(b0: int, b1: int) -> None:
+            fn(q.data_ptr() + b0 * H * W * 4, rows.data_ptr() + b0 * stride * 4, stride, b1 - b0, S,
+               softmax_scale, out.data_ptr() + b0 * H * d_c * 4, None, None)
 
-    threads = min(torch.get_num_threads(), B)
-    if threads <= 1:
-        run(0, B)
-    else:
-        bounds = [B * i // threads for i in range(threads + 1)]
-        list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
-    return out
+        bounds = [B * i // max(threads, 1) for i in range(max(threads, 1) + 1)]
+        if threads <= 1:
+            run(0, B)
+        else:
+            list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
+        return out
+    # fewer sequences than threads: each thread takes a part of every sequence's cache
+    bounds = [S * i // threads for i in range(threads + 1)]
+    acc = q.new_empty(threads, B, H, d_c)  # unnormalised parts
+    part_max, part_sum = q.new_empty(threads, B, H), q.new_empty(threads, B, H)
+
+    def run_part(p: int) -> None:
+        s0, s1 = bounds[p], bounds[p + 1]
+        fn(q.data_ptr(), rows.data_ptr() + s0 * W * 4, stride, B, s1 - s0, softmax_scale,
+           acc[p].data_ptr(), part_max[p].data_ptr(), part_sum[p].data_ptr())
+
+    list(_pool(threads).map(run_part, range(threads)))
+    weight = torch.exp2(part_max - part_max.amax(0))  # [parts, B, H]
+    out = (weight[..., None] * acc).sum(0) / (weight * part_sum).sum(0)[..., None]  # [B, H, d_c]
+    return out[:, None]
