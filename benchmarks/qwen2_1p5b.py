@@ -20,7 +20,8 @@ benchmarks/calib_mix, fp32): W = 16 by default (`--windows`). Code (stdlib modul
 this coder model exists for; the default calibration has other modules of the same library (a..m),
 and no calibration has the licences' domain. Rows converted with the defaults of c38b79e (wiki
 calibration, no output-aware fit) are kept under keys ending in `@pre-fit`; their folders were
-deleted before code and licences were added here. The converted
+deleted before code and licences were added here. The row of today's defaults converted before the
+fit's learning-rate backoff (output_fit.adam_fit) is kept under a key ending in `@fixed lr`. The converted
 folders stay under $TRANSMLA_CACHE/bench-qwen2 (7 GB each in fp32; `--keep` keeps them, the
 default deletes each after its evaluation).
 
@@ -48,6 +49,7 @@ WORK = cache_root() / "bench-qwen2"
 TEXTS = ("wiki", "lee", "code", "licences")
 BIAS_TEXTS = ("wiki", "lee")  # the texts of the dropped-bias comparison
 PRE_FIT = "pre-fit"  # key suffix of the rows converted with the defaults of c38b79e (wiki calibration, no fit)
+FIXED_LR = "fixed lr"  # key suffix of the row converted before the fit's learning-rate backoff (Adam at 3e-3 always)
 SEQ = 512
 PROMPT = "def fibonacci(n):"
 
@@ -190,6 +192,7 @@ def run_one(results: ResultCache, run: str, windows: int, keep: bool) -> None:
         entry["mla"] = {k: meta.get(k) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                                                   "q_bias", "kv_a_bias", "kv_b_bias", "o_bias")}
         entry["calibration"] = (meta.get("method") or {}).get("calibration")
+        entry["fit_lr"] = [layer.get("fit_lr") for layer in (meta.get("method") or {}).get("layers", [])]
         if not keep:
             shutil.rmtree(folder)
     results.results[key] = entry
@@ -203,7 +206,12 @@ def calibration_label(entry: dict) -> str:
         return ""
     fit = cal.get("fit")
     label = f"{cal['text']}, " + (f"fit-{fit['steps']}" + (" bf16" if fit.get("bf16") else "") if fit else "no fit")
-    return f"{label} (pre-fit)" if entry.get("defaults") == PRE_FIT else label
+    lrs = [lr for lr in entry.get("fit_lr", []) if lr is not None]
+    if fit and lrs:  # the Adam rate after the divergence backoff (output_fit.adam_fit), per layer
+        backed = sum(lr < fit["lr"] for lr in lrs)
+        label += f", lr backed off in {backed}/{len(lrs)} layers"
+    defaults = entry.get("defaults")
+    return f"{label} ({defaults})" if defaults else label
 
 
 def report(results: dict) -> str:
