@@ -166,6 +166,7 @@ def test_cli_json_and_table(tiny, cli):
                          "--device", "cpu")
     assert code == 0, err
     assert "tokens/s" in out and "MLA" in out and "GQA" in out and "(static)" in out and "load" in out
+    assert "decode attention" in out and ("sdpa" in out or "c-kernel" in out)
 
 
 @pytest.mark.parametrize(
