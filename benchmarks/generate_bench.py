@@ -68,11 +68,15 @@ PACKED_SETTINGS = [
     _setting("25", "fp32", 8, 16384, False),
     _setting("25", "fp32", 8, 32768, False),
     _setting("25", "bf16", 1, 8192, False),
+    _setting("25", "bf16", 1, 16384, False),
     _setting("25", "bf16", 1, 32768, False),
     _setting("25", "bf16", 8, 8192, False),
+    _setting("25", "bf16", 8, 16384, False),
     _setting("12.5", "fp32", 1, 8192, False),
     _setting("12.5", "fp32", 1, 32768, False),
     _setting("12.5", "fp32", 8, 8192, False),
+    _setting("12.5", "bf16", 1, 32768, False),
+    _setting("12.5", "bf16", 8, 8192, False),
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
 # every row was measured before the packed linears (mla/packed_linear.py) existed.
