@@ -49,7 +49,6 @@ WORK = cache_root() / "bench-qwen2"
 TEXTS = ("wiki", "lee", "code", "licences")
 BIAS_TEXTS = ("wiki", "lee")  # the texts of the dropped-bias comparison
 PRE_FIT = "pre-fit"  # key suffix of the rows converted with the defaults of c38b79e (wiki calibration, no fit)
-FIXED_LR = "fixed lr"  # key suffix of the row converted before the fit's learning-rate backoff (Adam at 3e-3 always)
 SEQ = 512
 PROMPT = "def fibonacci(n):"
 
