@@ -89,10 +89,12 @@ def settings() -> list[tuple[str, str, str]]:
     out.append(("export", "50%", "fit-300-bf16"))  # rejected at 50%, the other budgets left unrun (docstring)
     for budget in ("25%", "50%", "12.5%"):
         out += [("native", budget, s) for s in ("method", "fit-100", "fit-200")]
-    return out + [(shape, budget, "cli") for shape in SHAPES for budget in BUDGETS]
+    # cli@fixed-lr: the cli rows converted before the fit's lr backoff (output_fit.adam_fit), kept, not rerun
+    return out + [(shape, budget, cli) for cli in (FIXED_LR_CLI, "cli") for shape in SHAPES for budget in BUDGETS]
 
 
 KV_BUDGET = {"50%": "0.5", "25%": "0.25", "12.5%": "0.125"}
+FIXED_LR_CLI = "cli@fixed-lr"
 
 
 def cli_model(shape: str, budget: str):
@@ -187,6 +189,8 @@ def run(b: Bench, cache: ResultCache, only: set[str] | None = None) -> None:
             continue
         final = setting in ("fit-100", "fit-200", "cli") or (setting == "method" and shape == "export" and budget == "25%")
         row = cache.results.get(key, {})
+        if setting == FIXED_LR_CLI:
+            continue
         if ("dev32" in row or setting == "cli") and (not final or "final" in row):
             continue
         log(f"{key}")
