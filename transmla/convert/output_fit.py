@@ -110,9 +110,10 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
                 out = attn(x[pick], position_ids=position_ids)[0]
             loss = (out.float() - z[pick]).pow(2).mean() / scale
-            losses.append(float(loss.detach()))
-            if step + 1 == check_at and sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > losses[0]:
-                return False
+            if step < check_at:  # read back only while the check needs it (a device sync each)
+                losses.append(float(loss.detach()))
+                if step + 1 == check_at and sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > losses[0]:
+                    return False
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -133,16 +134,17 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
     start = {k: v.detach().clone() for k, v in attn.state_dict().items()}
     lr = settings.lr
     try:
-        for attempt in range(MAX_BACKOFFS + 1):
-            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=attempt < MAX_BACKOFFS):
+        for _ in range(MAX_BACKOFFS):
+            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True):
                 return lr
             with torch.no_grad():
                 attn.load_state_dict(start)
             lr /= BACKOFF
+        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False)  # the last one runs through
+        return lr
     finally:
         for p in attn.parameters():
             p.requires_grad_(False)
-    return lr
 
 
 def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,

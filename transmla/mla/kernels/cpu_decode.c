@@ -10,8 +10,9 @@
  * same source builds for AVX-512, AVX2 or NEON.
  *
  * Per sequence the cache is read once, in tiles of TILE keys that stay in L1: the scores of all
- * M rows against the tile (16 keys at a time, one vector of partial sums per key, then a 16 x 16
- * transpose-and-add gives the 16 scores in one vector), one online-softmax update per tile
+ * M rows against the tile (two rows x 8 keys at a time, each key row loaded once for both, one
+ * vector of partial sums per (row, key), then a 16 x 16 transpose-and-add gives the 16 scores in
+ * one vector), one online-softmax update per row per tile
  * (base 2: q is pre-scaled by scale * log2(e)), then the value product on the tile's first DC
  * columns, M accumulators per 16 columns.
  */

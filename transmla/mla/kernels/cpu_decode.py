@@ -122,18 +122,18 @@ def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_s
     S = rows.shape[1]
     q = q_rows.contiguous()
     stride = rows.stride(0)
-    threads = min(torch.get_num_threads(), max(B, S // MIN_PART_ROWS))
-    if threads <= 1 or B >= threads:
+    threads = min(torch.get_num_threads(), max(B, S // MIN_PART_ROWS))  # >= 1
+    if B >= threads:  # whole sequences per thread (all of them in one call on one thread)
         out = q.new_empty(B, 1, H, d_c)
 
         def run(b0: int, b1: int) -> None:
             fn(q.data_ptr() + b0 * H * W * 4, rows.data_ptr() + b0 * stride * 4, stride, b1 - b0, S,
                softmax_scale, out.data_ptr() + b0 * H * d_c * 4, None, None)
 
-        bounds = [B * i // max(threads, 1) for i in range(max(threads, 1) + 1)]
-        if threads <= 1:
+        if threads == 1:
             run(0, B)
         else:
+            bounds = [B * i // threads for i in range(threads + 1)]
             list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
         return out
     # fewer sequences than threads: each thread takes a part of every sequence's cache
