@@ -13,6 +13,16 @@ from transmla.mla.kernels.reference import mla_decode_reference
 from test_fast_decode import random_mla_model, reference_logits
 
 
+def on_threads(threads: int, fn, *args):
+    """fn(*args) with torch set to ``threads`` threads (the kernels split their work over them)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(old)
+
+
 def _reference(q_rows, rows, d_c, scale):
     return mla_decode_reference(q_rows[..., :d_c], q_rows[..., d_c:], rows[..., :d_c], rows[..., d_c:], scale)
 
@@ -28,12 +38,7 @@ def test_kernel_equals_reference_decode(B, S, H, W, d_c, threads):
     torch.manual_seed(S)
     rows = torch.randn(B, S + 9, W)[:, :S]  # [B, S, W], batch stride (S + 9) * W
     q_rows = torch.randn(B, 1, H, W) * 3
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = cpu_decode.mla_decode_cpu(q_rows, rows, d_c, 0.2)
-    finally:
-        torch.set_num_threads(old)
+    out = on_threads(threads, cpu_decode.mla_decode_cpu, q_rows, rows, d_c, 0.2)
     assert out is not None, cpu_decode.kernel_status()
     assert out.shape == (B, 1, H, d_c)
     torch.testing.assert_close(out, _reference(q_rows, rows, d_c, 0.2), atol=1e-5, rtol=1e-5)

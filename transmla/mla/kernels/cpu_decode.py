@@ -3,12 +3,9 @@
 PyTorch's fused SDPA on the CPU spends ~240 cycles per cached row at B = 8 / 8K on this machine
 (kernels/NOTES.md) where the work is 9 heads x (96 + 64) multiply-adds; the C kernel reads each
 row once into L1 and does the scores, an online softmax and the value product there. It is built
-on first use with the machine's C compiler (``$CC`` or ``cc``; -O3 -march=native) into
-``$TRANSMLA_CACHE/kernels`` (default ~/.cache/transmla/kernels), once per shape (query rows, row
-width, value width) and source version, and loaded with ctypes (the call releases the GIL).
-Without a compiler, or when the build fails, ``decode_kernel`` returns None once with the reason
-in ``kernel_status`` and callers keep PyTorch's SDPA: the kernel is an optimisation, never a
-requirement. ``TRANSMLA_CPU_KERNEL=0`` turns it off.
+on first use, once per shape (query rows, row width, value width), by cpu_build.py; without a
+compiler, or when the build fails, ``decode_kernel`` returns None once with the reason in
+``kernel_status`` and callers keep PyTorch's SDPA. ``TRANSMLA_CPU_KERNEL=0`` turns it off.
 
 Used for: CPU, fp32, one query token per sequence (decode), no padding mask, width and value width
 multiples of 16, at most MAX_ROWS query heads.
@@ -18,93 +15,37 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from .cpu_build import STATUS, fits, load_kernel, pool
+
 __all__ = ["MAX_ROWS", "decode_kernel", "kernel_status", "mla_decode_cpu", "supports"]
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 MIN_PART_ROWS = 2048  # cached rows per thread below which one sequence is not split
 MAX_ROWS = 64  # query rows (heads) per sequence: the kernel keeps M x d_c accumulators on its stack
-ENV_OFF = "TRANSMLA_CPU_KERNEL"
-_status: dict[tuple, str] = {}
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "kernels"
-
-
-def _enabled() -> bool:
-    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
     """Can the kernel run this call? q_rows [B, 1, H, W], rows [B, S, W]."""
-    B, T, H, W = q_rows.shape
-    return (_enabled() and q_rows.device.type == "cpu" and q_rows.dtype == torch.float32
-            and rows.dtype == torch.float32 and T == 1 and H <= MAX_ROWS and W % 16 == 0 and d_c % 16 == 0
-            and 0 < d_c <= W and rows.shape[-1] == W and rows.stride(-1) == 1 and rows.stride(1) == W)
-
-
-def _build(rows: int, width: int, d_c: int) -> Path:
-    """Compile the kernel for this shape (atomically: a half-written library is never loaded)."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
-    defines = (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + defines + (compiler, platform.machine())).encode())
-    target = _cache_dir() / f"mla_decode_m{rows}_w{width}_dc{d_c}_{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
-            raise RuntimeError(f"{compiler} failed: {errors[0].strip()}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return q_rows.shape[1] == 1 and fits(q_rows, rows, d_c, MAX_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel(rows: int, width: int, d_c: int):
     """The compiled kernel's function for this shape, or None (reason in kernel_status())."""
-    try:
-        lib = ctypes.CDLL(str(_build(rows, width, d_c)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _status[(rows, width, d_c)] = f"unavailable: {exc}"
-        return None
-    fn = lib.mla_decode_fp32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                   ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = None
-    _status[(rows, width, d_c)] = "compiled"
-    return fn
+    args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib = load_kernel(("decode", rows, width, d_c), SOURCE, f"mla_decode_m{rows}_w{width}_dc{d_c}",
+                      (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}"), {"mla_decode_fp32": (None, args)})
+    return None if lib is None else lib["mla_decode_fp32"]
 
 
 def kernel_status() -> dict[tuple, str]:
-    """{(rows, width, d_c): "compiled" or "unavailable: why"} for every shape asked for so far."""
-    return dict(_status)
-
-
-@functools.lru_cache(maxsize=1)
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mla-decode")
+    """{(rows, width, d_c): "compiled" or "unavailable: why"} for every decode shape asked for so far."""
+    return {key[1:]: status for key, status in STATUS.items() if key[0] == "decode"}
 
 
 def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
@@ -134,7 +75,7 @@ def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_s
             run(0, B)
         else:
             bounds = [B * i // threads for i in range(threads + 1)]
-            list(_pool(threads).map(run, bounds[:-1], bounds[1:]))
+            list(pool(threads).map(run, bounds[:-1], bounds[1:]))
         return out
     # fewer sequences than threads: each thread takes a part of every sequence's cache
     bounds = [S * i // threads for i in range(threads + 1)]
@@ -146,7 +87,7 @@ def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_s
         fn(q.data_ptr(), rows.data_ptr() + s0 * W * 4, stride, B, s1 - s0, softmax_scale,
            acc[p].data_ptr(), part_max[p].data_ptr(), part_sum[p].data_ptr())
 
-    list(_pool(threads).map(run_part, range(threads)))
+    list(pool(threads).map(run_part, range(threads)))
     weight = torch.exp2(part_max - part_max.amax(0))  # [parts, B, H]
     out = (weight[..., None] * acc).sum(0) / (weight * part_sum).sum(0)[..., None]  # [B, H, d_c]
     return out[:, None]

@@ -8,7 +8,8 @@ dropped. With key = value = rows every operand has the same width, so PyTorch's 
 over the cache, nothing of size S materialised per head, fp32 or bf16.
 
 One new token per sequence in fp32 on the CPU without a mask (decode) goes to the C kernel of
-cpu_decode.py when it is built (about a third less time than SDPA here, kernels/NOTES.md).
+cpu_decode.py when it is built (about a third less time than SDPA here, kernels/NOTES.md), and
+many (prefill) to the one of cpu_prefill.py (value product on the d_c value columns only).
 Otherwise, layouts: a few queries without a mask fold the T*H query rows of a sequence into one
 "head" of length T*H against the one KV head, so the cache of a sequence is read once for all
 heads. Many queries (prefill) or a padding mask: H query heads against one KV head
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_decode import mla_decode_cpu
+from .cpu_prefill import mla_prefill_cpu
 
 __all__ = ["attend_rows"]
 
@@ -35,6 +37,8 @@ def attend_rows(
 ) -> torch.Tensor:  # [B, T, H, d_c]
     B, T, H, width = q_rows.shape
     S = rows.shape[1]
+    if mask is not None and _plain_causal(mask, T, S):  # e.g. transformers' mask for a chunk after the cache
+        mask = None
     if mask is None and T == 1:
         out = mla_decode_cpu(q_rows, rows, d_c, softmax_scale)  # [B, 1, H, d_c], None where it cannot run
         if out is not None:
@@ -48,6 +52,10 @@ def attend_rows(
             causal = torch.arange(S, device=rows.device)[None, :] <= limit[:, None]  # [T*H, S]
         out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=causal, scale=softmax_scale)  # [B, 1, T*H, w]
         return out[..., :d_c].reshape(B, T, H, d_c)
+    if mask is None:
+        out = mla_prefill_cpu(q_rows, rows, d_c, softmax_scale)  # [B, T, H, d_c], None where it cannot run
+        if out is not None:
+            return out
     q = q_rows.transpose(1, 2)  # [B, H, T, d_c + d_r]
     if mask is None and T != S:  # a chunk after cached tokens: bottom-right causal
         limit = torch.arange(T, device=rows.device)[:, None] + (S - T)
@@ -56,3 +64,12 @@ def attend_rows(
         q, kv, kv, attn_mask=mask, is_causal=mask is None, scale=softmax_scale, enable_gqa=True
     )  # [B, H, T, d_c + d_r]
     return out[..., :d_c].transpose(1, 2)  # [B, T, H, d_c]
+
+
+def _plain_causal(mask: torch.Tensor, T: int, S: int) -> bool:
+    """Is the boolean mask [B|1, 1, T, S] exactly the bottom-right causal one (no padding)? Checking
+    costs B * T * S comparisons, a small part of the attention's B * T * S * H * W multiply-adds."""
+    if mask.dtype != torch.bool or tuple(mask.shape[-2:]) != (T, S):
+        return False
+    limit = torch.arange(T, device=mask.device)[:, None] + (S - T)
+    return bool((mask == (torch.arange(S, device=mask.device)[None, :] <= limit)).all())

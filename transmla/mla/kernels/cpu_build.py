@@ -1,0 +1,98 @@
+"""Build and load the CPU kernels (cpu_decode.c, cpu_prefill.c) on first use.
+
+Each kernel is compiled with the machine's C compiler (``$CC`` or ``cc``; -O3 -march=native) into
+``$TRANSMLA_CACHE/kernels`` (default ~/.cache/transmla/kernels), once per shape (its -D defines)
+and source version (the source and the shared header are hashed into the file name), atomically
+(a half-written library is never loaded), and loaded with ctypes (a call releases the GIL).
+Without a compiler, or when the build fails, ``load_kernel`` returns None with the reason in
+``STATUS`` and callers keep PyTorch's SDPA: the kernels are optimisations, never requirements.
+``TRANSMLA_CPU_KERNEL=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["ENV_OFF", "STATUS", "build", "enabled", "fits", "load_kernel", "pool"]
+
+HEADER = Path(__file__).with_name("cpu_vector.h")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+ENV_OFF = "TRANSMLA_CPU_KERNEL"
+STATUS: dict[tuple, str] = {}  # {(kernel, *shape): "compiled" or "unavailable: why"}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "kernels"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def fits(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, max_heads: int) -> bool:
+    """What every kernel needs: enabled, CPU, fp32, q_rows [B, T, H, W] with H <= max_heads, rows
+    [B, S, W] with contiguous rows (any batch stride), W and d_c multiples of 16, d_c <= W."""
+    H, W = q_rows.shape[-2:]
+    return (enabled() and q_rows.device.type == "cpu" and q_rows.dtype == torch.float32
+            and rows.dtype == torch.float32 and H <= max_heads and W % 16 == 0 and d_c % 16 == 0
+            and 0 < d_c <= W and rows.shape[-1] == W and rows.stride(-1) == 1 and rows.stride(1) == W)
+
+
+def build(source: Path, stem: str, defines: tuple[str, ...]) -> Path:
+    """Compile ``source`` with ``defines`` into the kernel cache (once per version and shape)."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+    text = source.read_bytes() + HEADER.read_bytes()
+    key = hashlib.sha256(text + " ".join(FLAGS + defines + (compiler, platform.machine())).encode())
+    target = _cache_dir() / f"{stem}_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, f"-I{HEADER.parent}", *defines, str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
+            raise RuntimeError(f"{compiler} failed: {errors[0].strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_kernel(key: tuple, source: Path, stem: str, defines: tuple[str, ...], symbols: dict[str, tuple]):
+    """{name: ctypes function} of the library built from ``source``, or None (reason in STATUS[key]).
+    ``symbols``: {name: (restype, argtypes)}."""
+    try:
+        lib = ctypes.CDLL(str(build(source, stem, defines)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        STATUS[key] = f"unavailable: {exc}"
+        return None
+    functions = {}
+    for name, (restype, argtypes) in symbols.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, list(argtypes)
+        functions[name] = fn
+    STATUS[key] = "compiled"
+    return functions
+
+
+@functools.lru_cache(maxsize=1)
+def pool(threads: int) -> ThreadPoolExecutor:
+    """A thread pool for kernel calls (they release the GIL)."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mla-kernel")

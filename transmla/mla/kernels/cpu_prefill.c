@@ -1,0 +1,162 @@
+/* Absorbed MLA prefill on the CPU, fp32: many query tokens per sequence, causal, no padding.
+ *
+ * Contract (reference.py): sequence b has T query tokens, the last T of its S cached rows; query
+ * token t sees the rows s <= t + (S - T). For query row (t, h):
+ *   s_j = scale * (q[b, t, h] . rows[b, j])              over the whole row [c | k_r] (W values)
+ *   out[b, t, h] = sum_j softmax(s)_j * rows[b, j, :DC]  (the value is the latent c)
+ *
+ * Compiled by cpu_prefill.py on first use (-O3 -march=native), once per shape: H (query heads), W
+ * and DC are compile-time constants. Why a kernel: PyTorch's fused SDPA on the CPU needs the value
+ * as wide as the key, so it multiplies by all W columns of the row where only DC are the value
+ * (9 heads x (96 + 96) multiply-adds per query-key pair at 25% of SmolLM2's cache, against 9 x
+ * (96 + 64) here).
+ *
+ * Flash attention over blocks: QB query tokens (QB * H query rows, contiguous in q) against KB keys.
+ * - scores: a small matrix product, RM rows x KB keys in registers, the row's values broadcast
+ *   against the keys packed transposed ([W][KB] per block, packed once per call);
+ * - an online softmax per row (base 2: q is pre-scaled by scale * log2 e), the causal limit per
+ *   row on the blocks that cross it; key blocks past a query block's last token are not visited;
+ * - the value product on the first DC columns: RM rows x up to 64 columns in registers, rescaled
+ *   by the row's softmax correction when loaded.
+ */
+#include <stdlib.h>
+
+#include "cpu_vector.h"
+
+#ifndef H
+#error "define H (query heads), W (row width) and DC (value width)"
+#endif
+#define KB 64             /* keys per block (measured: 32 and 128 are slower here) */
+#define QB 16             /* query tokens per block */
+#define MB (QB * H)       /* query rows per block */
+#define RM 6              /* query rows per register tile: 6 x 4 accumulators + 4 operands */
+#define DV (DC / L)       /* value vectors per row (DC % 16 == 0 is checked by the caller) */
+
+/* s [R][KB] = q [R][W] (row stride W) times the packed key block kt [W][KB] */
+static inline void score_tile(const float *restrict q, const float *restrict kt, float *restrict s, const int R) {
+    vf acc[RM][KB / L];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < KB / L; j++) acc[i][j] = splat(0.f);
+    for (int w = 0; w < W; w++) {
+        vf k[KB / L];
+        for (int j = 0; j < KB / L; j++) k[j] = load(kt + w * KB + j * L);
+        for (int i = 0; i < R; i++) {
+            vf a = splat(q[i * W + w]);
+            for (int j = 0; j < KB / L; j++) acc[i][j] += a * k[j];
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < KB / L; j++) store(s + i * KB + j * L, acc[i][j]);
+}
+
+/* o [R][DC] = o * corr + p [R][:n] (row stride KB) times v [:n][:DC] (row stride W) */
+static inline void value_tile(const float *restrict p, const float *restrict v, int n, const float *restrict corr,
+                              float *restrict o, const int R) {
+    for (int c0 = 0; c0 < DV; c0 += 4) {
+        const int C = DV - c0 < 4 ? DV - c0 : 4;
+        vf acc[RM][4];
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < C; c++) acc[i][c] = load(o + i * DC + (c0 + c) * L) * corr[i];
+        for (int j = 0; j < n; j++) {
+            vf x[4];
+            for (int c = 0; c < C; c++) x[c] = load(v + j * W + (c0 + c) * L);
+            for (int i = 0; i < R; i++) {
+                vf a = splat(p[i * KB + j]);
+                for (int c = 0; c < C; c++) acc[i][c] += a * x[c];
+            }
+        }
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < C; c++) store(o + i * DC + (c0 + c) * L, acc[i][c]);
+    }
+}
+
+/* The tiles of `nrows` query rows: full tiles of RM, then one of the rest (a constant per case, so
+ * each is compiled with its accumulators in registers). */
+#define TILES(call)                                         \
+    do {                                                    \
+        int r_ = 0;                                         \
+        for (; r_ + RM <= nrows; r_ += RM) call(r_, RM);     \
+        switch (nrows - r_) {                                \
+            case 5: call(r_, 5); break;                     \
+            case 4: call(r_, 4); break;                     \
+            case 3: call(r_, 3); break;                     \
+            case 2: call(r_, 2); break;                     \
+            case 1: call(r_, 1); break;                     \
+        }                                                   \
+    } while (0)
+
+/* rows: sequence b's row j at rows + b * batch_stride + j * W, S rows per sequence; packed
+ * [B][ceil(S / KB)][W][KB] (keys beyond S are zero). */
+void mla_prefill_pack(const float *rows, long batch_stride, long B, long S, float *packed) {
+    const long nb = (S + KB - 1) / KB;
+    for (long b = 0; b < B; b++)
+        for (long k = 0; k < nb; k++) {
+            float *dst = packed + (b * nb + k) * W * KB;
+            for (int j = 0; j < KB; j++) {
+                const long s = k * KB + j;
+                const float *src = rows + b * batch_stride + s * W;
+                for (int w = 0; w < W; w++) dst[w * KB + j] = s < S ? src[w] : 0.f;
+            }
+        }
+}
+
+/* One sequence: q [T][H][W] (pre-scaled by scale * log2 e, contiguous), packed [ceil(S / KB)][W][KB],
+ * rows [S][W] (the values), out [T][H][DC]. Query blocks first, first + step, ... (threads take
+ * interleaved blocks: the causal work grows with t). Returns 0, or -1 when out of memory. */
+int mla_prefill_fp32(const float *q, const float *packed, const float *rows, long T, long S, float *out,
+                     long first, long step) {
+    const long offset = S - T;
+    float *s = aligned_alloc(64, sizeof(float) * MB * KB);   /* scores, then probabilities */
+    float *o = aligned_alloc(64, sizeof(float) * MB * DC);   /* unnormalised outputs */
+    if (!s || !o) { free(s); free(o); return -1; }
+    float run_max[MB], run_sum[MB], corr[MB];
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const long nqb = (T + QB - 1) / QB;
+    for (long qb = first; qb < nqb; qb += step) {
+        const long t0 = qb * QB;
+        const int nrows = (int)((T - t0 < QB ? T - t0 : QB) * H);
+        const float *qblk = q + t0 * H * W;
+        memset(o, 0, sizeof(float) * nrows * DC);
+        for (int r = 0; r < nrows; r++) { run_max[r] = -INFINITY; run_sum[r] = 0.f; }
+        long last = t0 + nrows / H - 1 + offset;   /* the last key the block's last token sees */
+        if (last > S - 1) last = S - 1;
+        for (long k = 0; k * KB <= last; k++) {
+            const long s0 = k * KB;
+            const int n = (int)(last - s0 + 1 < KB ? last - s0 + 1 : KB);
+            const float *kt = packed + k * W * KB;
+#define SCORE(r, R) score_tile(qblk + (r) * W, kt, s + (r) * KB, R)
+            TILES(SCORE);
+            for (int r = 0; r < nrows; r++) {
+                float *sr = s + r * KB;
+                const long lim = t0 + r / H + offset - s0;   /* this row sees keys j <= lim of the block */
+                const int vis = lim + 1 < n ? (int)(lim + 1) : n;
+                if (vis <= 0) { memset(sr, 0, sizeof(float) * KB); corr[r] = 1.f; continue; }
+                vf vmax = splat(-INFINITY);
+                for (int j0 = 0; j0 < KB; j0 += L)
+                    vmax = sel((lane + j0 < vis) & (load(sr + j0) > vmax), load(sr + j0), vmax);
+                float tmax = hmax(vmax);
+                tmax = tmax > run_max[r] ? tmax : run_max[r];
+                corr[r] = exp2_neg(splat(run_max[r] - tmax))[0];   /* 0 on the first block (-inf) */
+                run_max[r] = tmax;
+                vf sum = splat(0.f);
+                for (int j0 = 0; j0 < KB; j0 += L) {
+                    vf e = sel(lane + j0 < vis, exp2_neg(load(sr + j0) - tmax), splat(0.f));
+                    store(sr + j0, e);
+                    sum += e;
+                }
+                run_sum[r] = run_sum[r] * corr[r] + hsum(sum);
+            }
+            const float *v = rows + s0 * W;
+#define VALUE(r, R) value_tile(s + (r) * KB, v, n, corr + (r), o + (r) * DC, R)
+            TILES(VALUE);
+        }
+        float *dst = out + t0 * H * DC;
+        for (int r = 0; r < nrows; r++) {   /* every row sees key 0: run_sum > 0 */
+            const float inv = 1.f / run_sum[r];
+            for (int c = 0; c < DV; c++) store(dst + r * DC + c * L, load(o + r * DC + c * L) * inv);
+        }
+    }
+    free(s);
+    free(o);
+    return 0;
+}

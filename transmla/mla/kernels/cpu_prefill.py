@@ -1,0 +1,83 @@
+"""The CPU prefill kernel (cpu_prefill.c): absorbed MLA attention of many query tokens, causal, fp32.
+
+PyTorch's fused SDPA on the CPU needs the value as wide as the key, so the absorbed prefill
+(fused_rows.attend_rows: H query heads against one KV head, key = value = the cached row [c | k_r])
+multiplies by all W columns of a row where the value is its first d_c: 9 x (96 + 96) multiply-adds
+per query-key pair at 25% of SmolLM2's cache against 9 x (96 + 64) in the kernel, which also shares
+each key block among all heads of 16 query tokens. Built on first use, once per shape (heads, row
+width, value width), by cpu_build.py; without a compiler, or when the build fails, ``prefill_kernel``
+returns None with the reason in ``kernel_status`` and callers keep PyTorch's SDPA.
+
+Used for: CPU, fp32, no autograd, causal without a padding mask (the T queries are the last T of
+the S cached rows), width and value width multiples of 16. With several torch threads the query
+blocks are dealt out to them in turn (the causal work grows with the position).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+from .cpu_build import STATUS, fits, load_kernel, pool
+
+__all__ = ["kernel_status", "mla_prefill_cpu", "prefill_kernel", "supports"]
+
+SOURCE = Path(__file__).with_name("cpu_prefill.c")
+QUERY_BLOCK = 16  # query tokens per block (QB in cpu_prefill.c)
+KEY_BLOCK = 64  # keys per packed block (KB in cpu_prefill.c)
+MAX_HEADS = 64
+
+
+def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
+    """Can the kernel run this call? q_rows [B, T, H, W], rows [B, S, W] with T <= S."""
+    grad = torch.is_grad_enabled() and (q_rows.requires_grad or rows.requires_grad)  # no backward here
+    return not grad and 0 < q_rows.shape[1] <= rows.shape[1] and fits(q_rows, rows, d_c, MAX_HEADS)
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_kernel(heads: int, width: int, d_c: int):
+    """{"mla_prefill_pack": fn, "mla_prefill_fp32": fn} compiled for this shape, or None (reason in kernel_status())."""
+    p, n = ctypes.c_void_p, ctypes.c_long
+    return load_kernel(("prefill", heads, width, d_c), SOURCE, f"mla_prefill_h{heads}_w{width}_dc{d_c}",
+                       (f"-DH={heads}", f"-DW={width}", f"-DDC={d_c}"),
+                       {"mla_prefill_pack": (None, (p, n, n, n, p)),
+                        "mla_prefill_fp32": (ctypes.c_int, (p, p, p, n, n, p, n, n))})
+
+
+def kernel_status() -> dict[tuple, str]:
+    """{(heads, width, d_c): "compiled" or "unavailable: why"} for every prefill shape asked for so far."""
+    return {key[1:]: status for key, status in STATUS.items() if key[0] == "prefill"}
+
+
+def mla_prefill_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
+    """o_lat [B, T, H, d_c] for q_rows [B, T, H, W] = [q_lat | q_rope] against rows [B, S, W] = [c | k_r]
+    (query t sees rows s <= t + S - T), or None when the kernel cannot run here (the caller falls back)."""
+    if not supports(q_rows, rows, d_c):
+        return None
+    B, T, H, W = q_rows.shape
+    kernel = prefill_kernel(H, W, d_c)
+    if kernel is None:
+        return None
+    S = rows.shape[1]
+    q = (q_rows * (softmax_scale * math.log2(math.e))).contiguous()  # [B, T, H, W]: the kernel's softmax is base 2
+    blocks = -(-S // KEY_BLOCK)
+    packed = q.new_empty(B, blocks, W, KEY_BLOCK)  # every sequence's keys, transposed per block
+    kernel["mla_prefill_pack"](rows.data_ptr(), rows.stride(0), B, S, packed.data_ptr())
+    out = q.new_empty(B, T, H, d_c)
+    threads = max(1, min(torch.get_num_threads(), -(-T // QUERY_BLOCK)))
+
+    def run(first: int) -> None:
+        for b in range(B):
+            if kernel["mla_prefill_fp32"](q[b].data_ptr(), packed[b].data_ptr(), rows[b].data_ptr(), T, S, out[b].data_ptr(),
+                                first, threads) != 0:
+                raise MemoryError("the MLA prefill kernel could not allocate its block buffers")
+
+    if threads == 1:
+        run(0)
+    else:
+        list(pool(threads).map(run, range(threads)))
+    return out
