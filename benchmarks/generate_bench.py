@@ -23,7 +23,10 @@ Settings ending in `-plain` run the MLA model's linears through plain F.linear (
 every row measured before mla/packed_linear.py existed was such a row, and their decode attention
 was PyTorch's fused SDPA. The others use its oneDNN-prepacked weights (the default of `transmla
 bench generate` and of generate()) and, in fp32, the C decode kernel (mla/kernels/cpu_decode.py;
-column `MLA attention`, from each row's `decode_attention`); the source always runs stock.
+column `MLA attention`, from each row's `decode_attention`) and, since the session of 2026-11-25 09:20,
+the C prefill kernel (cpu_prefill.py, `prefill_attention`); the source always runs stock. The prefill
+settings measured before the prefill kernel are kept in the JSON under `history_sdpa_prefill` and
+listed below the table.
 
 Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
 saved after every setting (resumable). Run one benchmark process at a time; the load average is
@@ -52,8 +55,9 @@ THREADS = 1  # the CPU is shared: one thread per model, the same for both (see b
 BUDGETS = {"25": 0.25, "12.5": 0.125}
 
 
-def _setting(budget: str, dtype: str, batch: int, context: int, prefill: bool, linears: str = "packed") -> dict:
-    name = f"{budget}-{dtype}-b{batch}-{round(context / 1024)}k" + ("-plain" if linears == "plain" else "")
+def _setting(budget: str, dtype: str, batch: int, context: int, prefill: bool, linears: str = "packed",
+             suffix: str = "") -> dict:
+    name = f"{budget}-{dtype}-b{batch}-{round(context / 1024)}k{suffix}" + ("-plain" if linears == "plain" else "")
     return dict(name=name, budget=budget, dtype=dtype, batch=batch, context=context, prefill=prefill, linears=linears)
 
 
@@ -77,6 +81,7 @@ PACKED_SETTINGS = [
     _setting("12.5", "fp32", 8, 8192, False),
     _setting("12.5", "bf16", 1, 32768, False),
     _setting("12.5", "bf16", 8, 8192, False),
+    _setting("25", "fp32", 1, 8192, True, suffix="-prefill"),  # a real 8K prefill: its time grows as T^2
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
 # every row was measured before the packed linears (mla/packed_linear.py) existed.
@@ -124,7 +129,7 @@ def write_report(results: dict) -> None:
         "",
         f"Machine: {results.get('machine', '?')}.",
         "",
-        "| setting | MLA linears | MLA attention | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
+        "| setting | MLA linears | MLA attention (decode, prefill) | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
         "prefill MLA s | prefill source s | prefill ratio | MLA cache MB | source cache MB | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -133,13 +138,24 @@ def write_report(results: dict) -> None:
         src = next(x for x in r["rows"][1:] if x["cache"] == mla["source_cache"])
         env = r["environment"]
         lines.append(
-            f"| {r['name']} | {r.get('linears', 'plain')} | {mla.get('decode_attention', 'sdpa')} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
+            f"| {r['name']} | {r.get('linears', 'plain')} | {mla.get('decode_attention', 'sdpa')}, "
+            f"{mla.get('prefill_attention', 'sdpa' if r['prefill'] else '-')} | {'prefill' if r['prefill'] else 'random'} | {mla['decode_tokens_per_second']:.2f} "
             f"| {src['decode_tokens_per_second']:.2f} | {src['cache']} | {mla['speedup_vs_source']:.2f} "
             f"| {mla['ideal_speedup']:.2f} | {mla['fraction_of_ideal']:.2f} | {_ratio(mla['prefill_seconds'], '.1f')} "
             f"| {_ratio(min((x['prefill_seconds'] for x in r['rows'][1:] if x['prefill_seconds']), default=None), '.1f')} "
             f"| {_ratio(mla.get('prefill_ratio_vs_source'))} | {mla['cache_bytes'] / 1e6:.1f} "
             f"| {src['cache_bytes'] / 1e6:.1f} | {env['load_average']} -> {env['load_average_after']} |"
         )
+    history = results.get("history_sdpa_prefill", {})
+    if history:
+        lines += ["", "Prefill before the C prefill kernel (MLA prefill attention in PyTorch's fused SDPA, value 96 "
+                      "wide), the same settings measured earlier:", "",
+                  "| setting | prefill MLA s | prefill source s | prefill ratio | load |", "|---|---|---|---|---|"]
+        for name, r in history.items():
+            mla, env = r["rows"][0], r["environment"]
+            src = min(x["prefill_seconds"] for x in r["rows"][1:] if x["prefill_seconds"])
+            lines.append(f"| {name} | {mla['prefill_seconds']:.1f} | {src:.1f} | {mla['prefill_ratio_vs_source']:.2f} "
+                         f"| {env['load_average']} -> {env['load_average_after']} |")
     (RESULTS / "generate_bench.md").write_text("\n".join(lines) + "\n")
     _plot(rows)
 

@@ -68,10 +68,11 @@ def test_lossless_against_source(tiny):
     assert mla["decode_mode"] == "auto" and mla["model"] == str(tiny["lossless"])
     assert mla["linears"] == ("onednn-packed" if onednn_linear_available() else "plain")
     assert dynamic["linears"] == static["linears"] == "plain (stock)"
-    m = load_config(tiny["lossless"]).mla  # the C decode kernel runs where its shape fits (cpu_decode.supports)
+    m = load_config(tiny["lossless"]).mla  # the C kernels run where the shape fits (cpu_build.fits)
     fits = m["kv_lora_rank"] % 16 == 0 and m["qk_rope_head_dim"] % 16 == 0
-    assert mla["decode_attention"] == ("c-kernel" if fits else "sdpa")
-    assert dynamic["decode_attention"] == static["decode_attention"] == "stock"
+    assert mla["decode_attention"] == mla["prefill_attention"] == ("c-kernel" if fits else "sdpa")
+    for src in (dynamic, static):
+        assert src["decode_attention"] == src["prefill_attention"] == "stock"
     best = max((dynamic, static), key=lambda r: r["decode_tokens_per_second"])
     assert mla["source_cache"] == best["cache"]
     assert mla["speedup_vs_source"] == mla["decode_tokens_per_second"] / best["decode_tokens_per_second"]

@@ -148,6 +148,7 @@ def _generate_table(result: dict) -> Table:
         ("attention", lambda r: r["attention"]),
         ("linears", lambda r: r.get("linears", "-")),
         ("decode attention", lambda r: r.get("decode_attention", "-")),
+        ("prefill attention", lambda r: r.get("prefill_attention", "-")),
         ("prefill s (min / median)", lambda r: "-" if r["prefill_seconds"] is None
          else f"{r['prefill_seconds']:.3f} / {r['prefill_seconds_median']:.3f}"),
         ("decode ms/step (min / median)", lambda r: f"{r['ms_per_step']:.2f} / {r['ms_per_step_median']:.2f}"),

@@ -95,8 +95,10 @@ def _load_decoder_layer(reader: SafetensorsReader, config, layer: int, device):
 
 
 def mla_attention(config, layer: MLALayer, device) -> MLAAttention:
-    """A standalone MLAAttention holding one converted layer (its frequencies at index 0)."""
+    """A standalone MLAAttention holding one converted layer (its frequencies at index 0), in the
+    expanded form: the output fit reads o_proj's input and trains through it."""
     mla = mla_config(config, layer, [layer.rope_inv_freq.tolist()], {})
+    mla.decode = "expanded"
     attn = MLAAttention(mla, 0)
     attn.load_state_dict({k: v.float() for k, v in layer.state_dict("").items()}, strict=True)
     return attn.to(device).eval()

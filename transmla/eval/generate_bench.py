@@ -211,7 +211,8 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
             peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
             row = _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak)
             row.update(cache=kind, decode_mode="auto" if mla else None, linears=linears or "plain (stock)",
-                       decode_attention=_decode_attention(model, device) if mla else "stock")
+                       **(_mla_attention(model, device, prefill) if mla
+                          else {"decode_attention": "stock", "prefill_attention": "stock" if prefill else "-"}))
             rows.append(row)
             del cache
             _free(device)
@@ -223,17 +224,19 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
     return rows
 
 
-def _decode_attention(model, device: str) -> str:
-    """Which attention the MLA model's decode steps ran: the C kernel (mla/kernels/cpu_decode.py),
-    the Triton kernel (CUDA) or PyTorch's fused SDPA."""
+def _mla_attention(model, device: str, prefill: bool) -> dict[str, str]:
+    """Which attention the MLA model ran: {"decode_attention": ..., "prefill_attention": ...}, each the
+    C kernel (mla/kernels/cpu_decode.py, cpu_prefill.py), the Triton kernel (CUDA decode), PyTorch's
+    SDPA, or "-" (no prefill: the cache was filled randomly)."""
     if device == "cuda":
-        return "triton"
-    from ..mla.kernels.cpu_decode import kernel_status
+        return {"decode_attention": "triton", "prefill_attention": "sdpa" if prefill else "-"}
+    from ..mla.kernels import cpu_decode, cpu_prefill
 
     m = model.config.mla
     shape = (model.config.num_attention_heads, m["kv_lora_rank"] + m["qk_rope_head_dim"], m["kv_lora_rank"])
-    built = kernel_status().get(shape) == "compiled" and next(model.parameters()).dtype == torch.float32
-    return "c-kernel" if built else "sdpa"
+    fp32 = next(model.parameters()).dtype == torch.float32
+    ran = lambda module: "c-kernel" if fp32 and module.kernel_status().get(shape) == "compiled" else "sdpa"
+    return {"decode_attention": ran(cpu_decode), "prefill_attention": ran(cpu_prefill) if prefill else "-"}
 
 
 def _unique_parameter_bytes(model) -> int:

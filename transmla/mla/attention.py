@@ -3,8 +3,8 @@
 Per token x [D]: latent c = W_DKV x [d_c] (optionally RMS-normed), shared rope key
 k_r = RoPE(W_KR x) [d_r]; kv_a_proj = [W_DKV; W_KR]. The cache holds exactly (c, k_r).
 Head h: q_h = [q_nope (d_nope) | q_rope (d_r)], k_h = [W_UK[h] c | k_r], v_h = W_UV[h] c,
-kv_b_proj = per head [W_UK[h]; W_UV[h]]. Two equal ways to attend:
-- expanded (prefill/training): build K, V for every head, then SDPA;
+kv_b_proj = per head [W_UK[h]; W_UV[h]]. Two equal ways to attend (which one runs: ``_use_absorbed``):
+- expanded (training; prefill on GPUs): build K, V for every head, then SDPA;
 - absorbed (decode): q_lat = W_UK[h]^T q_nope, score = q_lat . c + q_rope . k_r,
   o_lat = sum_t p_t c_t, out_h = W_UV[h] o_lat — MQA over the latent, nothing expanded.
   For many tokens at once (prefill) W_UK is folded into the query projection and W_UV into o_proj
@@ -154,14 +154,23 @@ class MLAAttention(nn.Module):
         return q_nope, q_rope
 
     def _use_absorbed(self, q_len: int, has_cache: bool) -> bool:
-        """auto: absorbed at inference (decode, and prefill on the CPU, where the one-KV-head form
-        runs in PyTorch's fused SDPA kernel); expanded for training and for prefill on GPUs."""
+        """auto: absorbed at inference: decode; on the CPU also prefill, and a pass without a cache when
+        the absorbed form does no more multiply-adds per query-key pair than the expanded one
+        (W + d_c <= d_qk + d_v: e.g. every compressed SmolLM2 conversion at <= 25%), where the one-KV-head
+        form runs in the C prefill kernel or PyTorch's fused SDPA while the expanded one, with values
+        narrower than its keys, leaves SDPA for its unfused math path. Expanded for training and for
+        prefill on GPUs."""
         mode = self.config.decode
         if mode != "auto":
             return mode == "absorbed"
         if self.training:
             return False
-        return has_cache and (q_len <= self.config.absorb_max_query_tokens or self.kv_a_proj.weight.device.type == "cpu")
+        if has_cache and q_len <= self.config.absorb_max_query_tokens:
+            return True
+        if self.kv_a_proj.weight.device.type != "cpu":
+            return False
+        c = self.config
+        return has_cache or 2 * c.kv_lora_rank + c.qk_rope_head_dim <= c.qk_head_dim + c.v_head_dim
 
     @staticmethod
     def _sdpa_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor | None:
