@@ -23,8 +23,10 @@ the source cache. Settings, each on top of the previous (the ablation):
   Outcome: rejected at the first budget measured. At 50% fit-300-bf16 gives dev32 28.52 against
   fit-200's 28.57 (-0.15%), although its attention-output error falls further (0.028 against 0.032);
   the 25% and 12.5% rows were stopped unrun, since the rule needs all three. 200 stays the default.
-And "cli": `transmla convert` itself with every default (the wiki + code calibration mix of
-benchmarks/calib_mix included), timed with /usr/bin/time, then the final windows below.
+And "cli": `transmla convert` itself with every default (the calibration mix of benchmarks/calib_mix
+included: wiki=3,lee=1,code=2 since the session of 2026-11-25 09:20), timed with /usr/bin/time, then the
+final windows below. Earlier cli rows are kept under their own names, not rerun: cli@fixed-lr (before
+the fit's lr backoff) and cli@wiki3-code1 (the wiki=3,code=1 mix, with the backoff).
 The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 256 x 64 tokens of the
 wiki calibration part drawn with seed 1 from everything before the dev windows (the CLI draws from the
 whole part; here the dev windows are never fitted on).
@@ -89,12 +91,12 @@ def settings() -> list[tuple[str, str, str]]:
     out.append(("export", "50%", "fit-300-bf16"))  # rejected at 50%, the other budgets left unrun (docstring)
     for budget in ("25%", "50%", "12.5%"):
         out += [("native", budget, s) for s in ("method", "fit-100", "fit-200")]
-    # cli@fixed-lr: the cli rows converted before the fit's lr backoff (output_fit.adam_fit), kept, not rerun
-    return out + [(shape, budget, cli) for cli in (FIXED_LR_CLI, "cli") for shape in SHAPES for budget in BUDGETS]
+    # earlier cli rows (KEPT_CLI: before the fit's lr backoff, before the lee mix), kept, not rerun
+    return out + [(shape, budget, cli) for cli in (*KEPT_CLI, "cli") for shape in SHAPES for budget in BUDGETS]
 
 
 KV_BUDGET = {"50%": "0.5", "25%": "0.25", "12.5%": "0.125"}
-FIXED_LR_CLI = "cli@fixed-lr"
+KEPT_CLI = ("cli@fixed-lr", "cli@wiki3-code1")
 
 
 def cli_model(shape: str, budget: str):
@@ -189,7 +191,7 @@ def run(b: Bench, cache: ResultCache, only: set[str] | None = None) -> None:
             continue
         final = setting in ("fit-100", "fit-200", "cli") or (setting == "method" and shape == "export" and budget == "25%")
         row = cache.results.get(key, {})
-        if setting == FIXED_LR_CLI:
+        if setting in KEPT_CLI:
             continue
         if ("dev32" in row or setting == "cli") and (not final or "final" in row):
             continue
