@@ -37,8 +37,8 @@ def attend_rows(
 ) -> torch.Tensor:  # [B, T, H, d_c]
     B, T, H, width = q_rows.shape
     S = rows.shape[1]
-    if mask is not None and _plain_causal(mask, T, S):  # e.g. transformers' mask for a chunk after the cache
-        mask = None
+    if mask is not None and rows.device.type == "cpu" and _plain_causal(mask, T, S):  # (no device sync)
+        mask = None  # e.g. transformers' mask for a chunk after the cache: the kernels and SDPA's causal flag
     if mask is None and T == 1:
         out = mla_decode_cpu(q_rows, rows, d_c, softmax_scale)  # [B, 1, H, d_c], None where it cannot run
         if out is not None:
