@@ -82,6 +82,9 @@ PACKED_SETTINGS = [
     _setting("12.5", "bf16", 1, 32768, False),
     _setting("12.5", "bf16", 8, 8192, False),
     _setting("25", "fp32", 1, 8192, True, suffix="-prefill"),  # a real 8K prefill: its time grows as T^2
+    _setting("25", "bf16", 1, 2048, True),  # bf16 prompts keep SDPA (the C kernels are fp32)
+    _setting("12.5", "fp32", 1, 2048, True),
+    _setting("25", "fp32", 1, 16384, True, suffix="-prefill"),
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
 # every row was measured before the packed linears (mla/packed_linear.py) existed.
