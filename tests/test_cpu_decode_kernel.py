@@ -53,13 +53,14 @@ def test_kernel_refuses_what_it_does_not_cover():
     assert cpu_decode.supports(torch.randn(2, 1, 3, 32), rows, 16)
 
 
-def _without_kernel_cache(monkeypatch, tmp_path):
+def without_kernel_cache(monkeypatch, tmp_path, kernel=cpu_decode.decode_kernel):
+    """Kernels built into tmp_path from now on; ``kernel``'s loaded shapes forgotten."""
     monkeypatch.setenv("TRANSMLA_CACHE", str(tmp_path))
-    cpu_decode.decode_kernel.cache_clear()
+    kernel.cache_clear()
 
 
 def test_no_compiler_falls_back_to_sdpa_with_the_reason(monkeypatch, tmp_path):
-    _without_kernel_cache(monkeypatch, tmp_path)
+    without_kernel_cache(monkeypatch, tmp_path)
     monkeypatch.setenv("CC", "no-such-compiler-here")
     try:
         q_rows, rows = torch.randn(2, 1, 3, 32), torch.randn(2, 20, 32)
@@ -73,7 +74,7 @@ def test_no_compiler_falls_back_to_sdpa_with_the_reason(monkeypatch, tmp_path):
 
 
 def test_a_failing_build_leaves_nothing_and_the_env_switch_turns_it_off(monkeypatch, tmp_path):
-    _without_kernel_cache(monkeypatch, tmp_path)
+    without_kernel_cache(monkeypatch, tmp_path)
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
     monkeypatch.setattr(cpu_decode, "SOURCE", bad)

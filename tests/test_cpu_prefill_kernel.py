@@ -12,7 +12,7 @@ from transmla.mla.kernels.fused_rows import attend_rows
 from transmla.mla.kernels.reference import mla_decode_reference
 from transmla.mla.latent_cache import LatentCache, cache_kwargs
 
-from test_cpu_decode_kernel import on_threads
+from test_cpu_decode_kernel import on_threads, without_kernel_cache
 from test_fast_decode import random_mla_model, reference_logits
 
 
@@ -54,9 +54,8 @@ def test_kernel_refuses_what_it_does_not_cover():
 
 
 def test_no_compiler_falls_back_to_sdpa(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRANSMLA_CACHE", str(tmp_path))
+    without_kernel_cache(monkeypatch, tmp_path, cpu_prefill.prefill_kernel)
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    cpu_prefill.prefill_kernel.cache_clear()
     try:
         q_rows, rows = torch.randn(2, 20, 3, 32), torch.randn(2, 20, 32)
         assert cpu_prefill.mla_prefill_cpu(q_rows, rows, 16, 0.3) is None

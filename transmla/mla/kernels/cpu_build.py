@@ -41,10 +41,12 @@ def enabled() -> bool:
 
 
 def fits(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, max_heads: int) -> bool:
-    """What every kernel needs: enabled, CPU, fp32, q_rows [B, T, H, W] with H <= max_heads, rows
-    [B, S, W] with contiguous rows (any batch stride), W and d_c multiples of 16, d_c <= W."""
+    """What every kernel needs: enabled, no autograd (the kernels have no backward), CPU, fp32, q_rows
+    [B, T, H, W] with H <= max_heads, rows [B, S, W] with contiguous rows (any batch stride), W and d_c
+    multiples of 16, d_c <= W."""
     H, W = q_rows.shape[-2:]
-    return (enabled() and q_rows.device.type == "cpu" and q_rows.dtype == torch.float32
+    grad = torch.is_grad_enabled() and (q_rows.requires_grad or rows.requires_grad)
+    return (enabled() and not grad and q_rows.device.type == "cpu" and q_rows.dtype == torch.float32
             and rows.dtype == torch.float32 and H <= max_heads and W % 16 == 0 and d_c % 16 == 0
             and 0 < d_c <= W and rows.shape[-1] == W and rows.stride(-1) == 1 and rows.stride(1) == W)
 

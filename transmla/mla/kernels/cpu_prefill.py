@@ -34,8 +34,7 @@ MAX_HEADS = 64
 
 def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
     """Can the kernel run this call? q_rows [B, T, H, W], rows [B, S, W] with T <= S."""
-    grad = torch.is_grad_enabled() and (q_rows.requires_grad or rows.requires_grad)  # no backward here
-    return not grad and 0 < q_rows.shape[1] <= rows.shape[1] and fits(q_rows, rows, d_c, MAX_HEADS)
+    return 0 < q_rows.shape[1] <= rows.shape[1] and fits(q_rows, rows, d_c, MAX_HEADS)
 
 
 @functools.lru_cache(maxsize=None)
