@@ -15,12 +15,6 @@ static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v;
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-static inline float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < L; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
 /* mask ? a : b, lane by lane (C has no vector ?:) */
 static inline vf sel(vi mask, vf a, vf b) {
     vi ia, ib;
@@ -32,23 +26,41 @@ static inline vf sel(vi mask, vf a, vf b) {
     return out;
 }
 
-static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < L; i++) s += v[i];
-    return s;
+/* Horizontal max and sum by halving: lanes swapped in groups of 8, 4, 2, 1 (log2 L steps instead of
+ * L - 1 dependent scalar ones). */
+#define SWAP8(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+#define SWAP4(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+#define SWAP2(v) __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+#define SWAP1(v) __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+
+static inline vf vmax(vf a, vf b) { return sel(a > b, a, b); }
+
+static inline float hmax(vf v) {
+    v = vmax(v, SWAP8(v));
+    v = vmax(v, SWAP4(v));
+    v = vmax(v, SWAP2(v));
+    v = vmax(v, SWAP1(v));
+    return v[0];
 }
 
-/* 2^x for x <= 0 (the argument of a softmax after subtracting the running max): x = n + f,
- * f in [0, 1), 2^f by its degree-6 minimax polynomial (relative error < 2e-7), 2^n by the exponent
- * bits. Below -126 the result is 0 (it would be a denormal). */
+static inline float hsum(vf v) {
+    v += SWAP8(v);
+    v += SWAP4(v);
+    v += SWAP2(v);
+    v += SWAP1(v);
+    return v[0];
+}
+
+/* 2^x for x <= 0 (the argument of a softmax after subtracting the running max): x = n + f with n the
+ * nearest integer (rounded by adding and subtracting 1.5 * 2^23) and f in [-0.5, 0.5], 2^f by the Cephes
+ * exp2f polynomial for that interval (relative error < 2e-9 in exact arithmetic, so the result is good
+ * to fp32 rounding), 2^n by the exponent bits. Below -126 the result is 0 (it would be a denormal). */
 static inline vf exp2_neg(vf x) {
-    vi dead = x < -126.f;                           /* lanes whose result is 0 */
+    vi dead = x < -126.f;                           /* lanes whose result is 0 (-inf included) */
     x = sel(dead, splat(-1.f), x);
-    vi n = __builtin_convertvector(x, vi);         /* truncates toward 0: n >= x for x < 0 */
-    vf nf = __builtin_convertvector(n, vf);
-    n = n + (nf > x);                               /* floor: a true comparison is -1 */
-    nf = __builtin_convertvector(n, vf);
-    vf f = x - nf;                                  /* [0, 1) */
+    vf nf = (x + 12582912.f) - 12582912.f;          /* round to nearest: exact for |x| < 2^22 */
+    vi n = __builtin_convertvector(nf, vi);
+    vf f = x - nf;                                  /* [-0.5, 0.5] */
     vf p = splat(1.535336188319500e-4f);
     p = p * f + 1.339887440266574e-3f;
     p = p * f + 9.618437357674640e-3f;
