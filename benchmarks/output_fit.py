@@ -26,7 +26,8 @@ the source cache. Settings, each on top of the previous (the ablation):
 And "cli": `transmla convert` itself with every default (the calibration mix of benchmarks/calib_mix
 included: wiki=3,lee=1,code=2 since the session of 2026-11-25 09:20), timed with /usr/bin/time, then the
 final windows below. Earlier cli rows are kept under their own names, not rerun: cli@fixed-lr (before
-the fit's lr backoff) and cli@wiki3-code1 (the wiki=3,code=1 mix, with the backoff).
+the fit's lr backoff), cli@wiki3-code1 (the wiki=3,code=1 mix, with the backoff) and, at 50% only,
+cli@third-rope (128 + 64: a third of the budget as rope dims, before the cap at half a head).
 The fit runs through calibrate.calibrated_layers as `transmla convert` does, on 256 x 64 tokens of the
 wiki calibration part drawn with seed 1 from everything before the dev windows (the CLI draws from the
 whole part; here the dev windows are never fitted on).
@@ -91,12 +92,12 @@ def settings() -> list[tuple[str, str, str]]:
     out.append(("export", "50%", "fit-300-bf16"))  # rejected at 50%, the other budgets left unrun (docstring)
     for budget in ("25%", "50%", "12.5%"):
         out += [("native", budget, s) for s in ("method", "fit-100", "fit-200")]
-    # earlier cli rows (KEPT_CLI: before the fit's lr backoff, before the lee mix), kept, not rerun
+    # earlier cli rows (KEPT_CLI: before the fit's lr backoff, before the lee mix, before the rope cap), kept, not rerun
     return out + [(shape, budget, cli) for cli in (*KEPT_CLI, "cli") for shape in SHAPES for budget in BUDGETS]
 
 
 KV_BUDGET = {"50%": "0.5", "25%": "0.25", "12.5%": "0.125"}
-KEPT_CLI = ("cli@fixed-lr", "cli@wiki3-code1")
+KEPT_CLI = ("cli@fixed-lr", "cli@wiki3-code1", "cli@third-rope")
 
 
 def cli_model(shape: str, budget: str):

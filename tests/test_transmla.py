@@ -311,11 +311,14 @@ def test_stage_perplexities(tiny_factory):
 # -- budget and validation ------------------------------------------------------------------------
 
 
-def test_budget_smollm2_published_shapes():
-    assert transmla_budget(384, 0.5, 64, 3) == (128, 64)
+def test_budget_shapes():
+    """A third of the budget as rope dims (the published SmolLM2 shapes at 25% and 12.5%), at most half a
+    head: 160 + 32 at 50% on SmolLM2 (chosen on dev windows), DeepSeek's 512 + 64 on 128-dim heads."""
+    assert transmla_budget(384, 0.5, 64, 3) == (160, 32)
     assert transmla_budget(384, 0.25, 64, 3) == (64, 32)
     assert transmla_budget(384, 0.125, 64, 3) == (32, 16)
-    assert transmla_budget(2048, 576 / 2048, 128, 8) == (384, 192)
+    assert transmla_budget(2048, 576 / 2048, 128, 8) == (512, 64)
+    assert transmla_budget(512, 0.25, 128, 2) == (86, 42)  # Qwen2.5-1.5B at 25%: the third binds
 
 
 def test_validation_errors_and_warning():
@@ -332,7 +335,7 @@ def test_validation_errors_and_warning():
     with pytest.warns(UserWarning, match="does not shrink"):
         validate_transmla_shape(320, 64, 64, 3)
     with pytest.warns(UserWarning, match="does not shrink"):
-        assert transmla_budget(384, 1.5, 64, 3) == (192, 192)
+        assert transmla_budget(384, 1.5, 64, 3) == (352, 32)
 
 
 def test_plan_from_options(tiny_factory):
