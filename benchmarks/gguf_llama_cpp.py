@@ -7,6 +7,12 @@ against `transmla eval`, and decode speed + KV cache against the GQA source.
     .venv/bin/python -m benchmarks.gguf_llama_cpp --phase report              # table from the JSON
 
 Needs `make llama-cpp`. Phases resume: results merge into benchmarks/results/gguf_llama_cpp.json.
+The speed rows of an earlier session's machine (AMD EPYC) are kept there under `speed_earlier`; the
+`speed` rows of the session of 2026-11-25 12:00 (this 2-core Xeon) ran on a work folder holding the
+source's F32 GGUF (as below) and `transmla export --format gguf --type f32` of the CLI-default exportable
+25% conversion (`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.25 --shared-rope`):
+decode speed does not depend on the weights' values, and this is the model `transmla bench generate`
+measured.
 The source GGUFs are llama.cpp's own: `llama-quantize` of the built-in Q4_1 GGUF to F32 (exactly
 the weights `transmla inspect` dequantizes) and from that to Q8_0. Converted models: `transmla
 convert smollm2-135m --method transmla --kv-budget B --shared-rope --calib-samples 256` (256 x 16 calibration tokens: the comparisons here are one model
@@ -248,10 +254,13 @@ def phase_report() -> None:
                          f"{r['llama_perplexity']:.4f} | {r['ours_llama_cpp_windows']:.4f} | "
                          f"{r['relative_difference']:+.3%} | {r['transmla_eval']:.4f} |")
         lines.append("")
-    if "speed" in data:
-        speed = data["speed"]
-        m = data.get("speed_machine", {})
-        lines += ["## Decode speed (llama-bench) and KV cache against the GQA source", "",
+    for section, title in (("speed", "Decode speed (llama-bench) and KV cache against the GQA source"),
+                           ("speed_earlier", "The same on the machine of an earlier session")):
+        if section not in data:
+            continue
+        speed = data[section]
+        m = data.get(f"{section}_machine", {})
+        lines += [f"## {title}", "",
                   f"Machine: {machine_text(m)}; load average before each row in the "
                   "JSON. tokens/s median (min) over the repetitions; flash attention on (without it llama.cpp "
                   "copies the transposed latent cache every step); KV cache f16, MiB at that depth from the "
