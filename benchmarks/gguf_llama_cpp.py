@@ -205,11 +205,11 @@ def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list
             before = os.getloadavg()
             log(f"llama-bench {path.name} depths {todo} (load {before})")
             rows = {}
-            for record in llama_bench([path], todo, n_gen, reps, threads, flash_attn):
-                samples = record["samples_ts"]
-                rows[str(record["n_depth"])] = {
+            for bench_row in llama_bench([path], todo, n_gen, reps, threads, flash_attn):
+                samples = bench_row["samples_ts"]
+                rows[str(bench_row["n_depth"])] = {
                     "median_tps": statistics.median(samples), "min_tps": min(samples), "max_tps": max(samples),
-                    "samples_tps": samples, "n_gen": n_gen, "threads": threads, "flash_attn": flash_attn, "type_k": record.get("type_k"),
+                    "samples_tps": samples, "n_gen": n_gen, "threads": threads, "flash_attn": flash_attn, "type_k": bench_row.get("type_k"),
                     "load_before": before, "load_after": os.getloadavg(),
                 }
             entry = {"weight_type": t, "weight_bytes_per_step": weight_bytes_per_step(path),
