@@ -91,6 +91,7 @@ FIT200_MIXES = ("wiki", "wiki=3,code=1", "wiki=3,lee=1,code=1")  # the fit-200 r
 LEE_MIXES = ("wiki=3,code=1", "wiki=3,{lee_calib}=1,code=1", "wiki=3,{lee_calib}=1,code=2")  # the lee round, bf16 fit (docstring)
 SPLIT_MIX = "wiki=3,{lee_calib}=1,code=2"  # the rope split round (docstring): 50%, exportable, bf16 fit
 SPLIT_ROPE_DIMS = (64, 32)  # today's split (128 + 64), then the latent 160 + rope 32
+SPLIT_CACHE = 192  # 50% of SmolLM2's 384 cached elements per token per layer: latent + rope dims
 WINDOWS = 16
 SEQ = 512
 WORK = cache_root() / "bench-calib-mix"
@@ -175,7 +176,7 @@ def fit_bf16(model: str) -> bool | None:
 
 def run(mix: str | None, texts: dict[str, Path], fit_steps: int = 0, rope_dim: int | None = None) -> dict:
     """Perplexity of the source (mix None) or of the conversion calibrated on `mix`: at 25%, or with
-    `rope_dim` at 50% in the exportable shape with that split (latent = 192 - rope_dim)."""
+    `rope_dim` at 50% in the exportable shape with that split (latent = SPLIT_CACHE - rope_dim)."""
     model = SOURCE
     if mix is not None:
         index = list(dict.fromkeys(MIXES + FIT_MIXES + FIT200_MIXES + LEE_MIXES)).index(mix)
@@ -184,7 +185,7 @@ def run(mix: str | None, texts: dict[str, Path], fit_steps: int = 0, rope_dim: i
             model = str(WORK / f"transmla-25-mix{index}-fit{fit_steps}")
         else:
             model = str(WORK / f"transmla-export-50-r{rope_dim}-mix{index}-fit{fit_steps}")
-            shape = ["--kv-lora-rank", str(192 - rope_dim), "--rope-dim", str(rope_dim), "--shared-rope"]
+            shape = ["--kv-lora-rank", str(SPLIT_CACHE - rope_dim), "--rope-dim", str(rope_dim), "--shared-rope"]
         calib = mix.format(code_calib=texts["code_calib"], lee_calib=texts["lee_calib"])
         log(f"converting with --calib {calib} --fit-steps {fit_steps} {' '.join(shape)}")
         transmla_json("convert", SOURCE, model, "--method", "transmla", *shape, "--calib", calib,
@@ -223,7 +224,7 @@ def report(results: dict) -> str:
             ppl = e[name]["perplexity"]
             cells += [f"{ppl:.3f}", f"{ppl / src[name]['perplexity']:.2f}" if src and name in src else ""]
         model = "source" if e["mix"] is None else "TransMLA 25%" if e.get("rope_dim") is None else \
-            f"TransMLA 50% export, {192 - e['rope_dim']} + {e['rope_dim']}"
+            f"TransMLA 50% export, {SPLIT_CACHE - e['rope_dim']} + {e['rope_dim']}"
         fit = "" if e["mix"] is None else str(e.get("fit_steps", 0)) + (" bf16" if e.get("fit_bf16") else "")
         lines.append(f"| {model} | {e['mix'] or ''} | {fit} | {' | '.join(cells)} |")
     m = (src or {}).get("machine", {})
@@ -242,9 +243,9 @@ def main(argv=None) -> int:
         texts = held_out_texts()
         if "lee_dev" not in results.results.get("source", {}):  # lee-dev came with the fit-100 rows
             results.results.pop("source", None)
-        rows = [(None, 0, False)] + [(m, 0, False) for m in MIXES] + [(m, FIT_STEPS, False) for m in FIT_MIXES]
-        rows = [(m, s, b, None) for m, s, b in rows]
-        rows += [(m, 200, False, None) for m in FIT200_MIXES] + [(m, 200, True, None) for m in LEE_MIXES]
+        rows = [(None, 0, False, None)] + [(m, 0, False, None) for m in MIXES]
+        rows += [(m, FIT_STEPS, False, None) for m in FIT_MIXES] + [(m, 200, False, None) for m in FIT200_MIXES]
+        rows += [(m, 200, True, None) for m in LEE_MIXES]
         rows += [(SPLIT_MIX, 200, True, r) for r in SPLIT_ROPE_DIMS]
         for mix, steps, bf16, rope_dim in rows:
             key = "source" if mix is None else key_of(mix, steps, bf16, rope_dim)

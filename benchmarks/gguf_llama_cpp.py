@@ -11,8 +11,8 @@ The speed rows of an earlier session's machine (AMD EPYC) are kept there under `
 `speed` rows of the session of 2026-11-25 12:00 (this 2-core Xeon) ran on a work folder holding the
 source's F32 GGUF (as below) and `transmla export --format gguf --type f32` of the CLI-default exportable
 25% conversion (`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.25 --shared-rope`):
-decode speed does not depend on the weights' values, and this is the model `transmla bench generate`
-measured.
+decode speed does not depend on the weights' values. (`transmla bench generate` in
+benchmarks/generate_bench measures the native-rope conversion: the same 64 + 32 cache and multiply-adds.)
 The source GGUFs are llama.cpp's own: `llama-quantize` of the built-in Q4_1 GGUF to F32 (exactly
 the weights `transmla inspect` dequantizes) and from that to Q8_0. Converted models: `transmla
 convert smollm2-135m --method transmla --kv-budget B --shared-rope --calib-samples 256` (256 x 16 calibration tokens: the comparisons here are one model
