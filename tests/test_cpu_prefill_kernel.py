@@ -1,11 +1,16 @@
-"""The C prefill kernel (mla/kernels/cpu_prefill.c): equal to the reference absorbed attention in fp32
-for many causal query tokens (a whole prompt, or a chunk after cached tokens), on odd shapes, strided
-caches and one or two threads; through a model's prefill; and without a compiler the SDPA path runs."""
+"""The C prefill kernels: cpu_prefill.c equal to the reference absorbed attention in fp32 for many causal
+query tokens (a whole prompt, or a chunk after cached tokens), on odd shapes, strided caches and one or
+two threads; the bf16 AMX kernel (cpu_prefill_amx.c) on the same shapes within bf16's rounding, no
+further from the float64 reference than PyTorch's bf16 SDPA; both through a model's prefill; and
+without a compiler the SDPA path runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transmla.mla.kernels import cpu_prefill
 from transmla.mla.kernels.fused_rows import attend_rows
@@ -22,9 +27,14 @@ def _reference(q_rows, rows, d_c, scale):
     return mla_decode_reference(q[..., :d_c], q[..., d_c:], r[..., :d_c], r[..., d_c:], scale).float()
 
 
-@pytest.mark.parametrize("B,T,S,H,W,d_c", [(2, 9, 9, 9, 96, 64), (1, 16, 16, 3, 32, 16), (2, 17, 17, 5, 48, 32),
-                                           (3, 65, 65, 9, 96, 64), (2, 65, 100, 9, 96, 64), (1, 1, 70, 4, 32, 16),
-                                           (1, 200, 200, 12, 128, 80), (1, 130, 300, 7, 64, 48)])
+SHAPES = [(2, 9, 9, 9, 96, 64), (1, 16, 16, 3, 32, 16), (2, 17, 17, 5, 48, 32),
+          (3, 65, 65, 9, 96, 64), (2, 65, 100, 9, 96, 64), (1, 1, 70, 4, 32, 16),
+          (1, 200, 200, 12, 128, 80), (1, 130, 300, 7, 64, 48)]
+# The AMX kernel is built where the CPU has AMX-BF16 (CI's machine does); elsewhere its tests check the fallback.
+HAS_AMX = "amx_bf16" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+
+
+@pytest.mark.parametrize("B,T,S,H,W,d_c", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_reference_attention(B, T, S, H, W, d_c, threads):
     """Head counts that leave a partial register tile, prompts below / across / not a multiple of the
@@ -40,11 +50,39 @@ def test_kernel_equals_reference_attention(B, T, S, H, W, d_c, threads):
     torch.testing.assert_close(out, _reference(q_rows, rows, d_c, 0.2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("B,T,S,H,W,d_c", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_kernel_matches_the_reference_to_bf16_rounding(B, T, S, H, W, d_c, threads):
+    """bf16 queries and rows (fp32 accumulation, bf16 probabilities and output): every output within
+    2^-8 of the float64 reference (relative to the largest), and no further from it than PyTorch's
+    bf16 SDPA on the same inputs (x 1.25); one or two threads give the same bits."""
+    torch.manual_seed(T * S)
+    rows = torch.randn(B, S + 9, W)[:, :S].bfloat16()  # [B, S, W], batch stride (S + 9) * W
+    q_rows = (torch.randn(B, T, H, W) * 2).bfloat16()
+    out = on_threads(threads, cpu_prefill.mla_prefill_cpu, q_rows, rows, d_c, 0.2)
+    if not HAS_AMX:
+        assert out is None and cpu_prefill.kernel_status("bf16")[(H, W, d_c)].startswith("unavailable: ")
+        return
+    assert out is not None, cpu_prefill.kernel_status("bf16")
+    assert out.shape == (B, T, H, d_c) and out.dtype == torch.bfloat16
+    ref = _reference(q_rows, rows, d_c, 0.2).double()
+    err = (out.double() - ref).abs().max()
+    assert err <= 2**-8 * ref.abs().max()
+    limit = torch.arange(T)[:, None] + (S - T)
+    mask = torch.arange(S)[None, :] <= limit  # [T, S]
+    sdpa = F.scaled_dot_product_attention(q_rows.transpose(1, 2), rows[:, None], rows[:, None], attn_mask=mask,
+                                          scale=0.2, enable_gqa=True)[..., :d_c].transpose(1, 2)
+    assert err <= 1.25 * (sdpa.double() - ref).abs().max()
+    assert torch.equal(out, on_threads(3 - threads, cpu_prefill.mla_prefill_cpu, q_rows, rows, d_c, 0.2))
+
+
 def test_kernel_refuses_what_it_does_not_cover():
     rows = torch.randn(2, 40, 32)
     q = torch.randn(2, 20, 3, 32)
     assert cpu_prefill.supports(q, rows, 16)
-    assert not cpu_prefill.supports(q.bfloat16(), rows.bfloat16(), 16)  # bf16
+    assert cpu_prefill.supports(q.bfloat16(), rows.bfloat16(), 16)  # the AMX kernel's (where it builds)
+    assert not cpu_prefill.supports(q.half(), rows.half(), 16)  # fp16
+    assert not cpu_prefill.supports(q.bfloat16(), rows, 16)  # mixed dtypes
     assert not cpu_prefill.supports(q, rows, 10)  # d_c not a multiple of 16
     assert not cpu_prefill.supports(torch.randn(2, 20, 3, 40), torch.randn(2, 40, 40), 16)  # width
     assert not cpu_prefill.supports(torch.randn(2, 50, 3, 32), rows, 16)  # more queries than rows
@@ -67,19 +105,25 @@ def test_no_compiler_falls_back_to_sdpa(monkeypatch, tmp_path):
         cpu_prefill.prefill_kernel.cache_clear()
 
 
+def counting_kernel_calls():
+    """([], the prefill entry point recording (T, S, ran) of each call into that list)."""
+    calls, original = [], cpu_prefill.mla_prefill_cpu
+
+    def counted(q_rows, rows, d_c, scale):
+        out = original(q_rows, rows, d_c, scale)
+        calls.append((q_rows.shape[1], rows.shape[1], out is not None))
+        return out
+
+    return calls, counted
+
+
 def test_prefill_and_a_chunk_through_the_kernel_equal_the_full_forward(tiny_factory):
     """A model whose rows fit the kernel (d_c 16, d_r 16): a 70-token prompt, then a 30-token chunk on
     top of the cache; the logits at the chunk's positions equal full causal passes without a cache
     (expanded attention), fp32 1e-5, and the kernel ran for both calls."""
     model = random_mla_model(tiny_factory, d_c=16, d_r=16)
     ids = torch.randint(0, 97, (2, 100))
-    calls = []
-    original = cpu_prefill.mla_prefill_cpu
-
-    def counted(q_rows, rows, d_c, scale):
-        out = original(q_rows, rows, d_c, scale)
-        calls.append((q_rows.shape[1], rows.shape[1], out is not None))
-        return out
+    calls, counted = counting_kernel_calls()
 
     cache = LatentCache(model.config.num_hidden_layers, 100)
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
@@ -91,3 +135,30 @@ def test_prefill_and_a_chunk_through_the_kernel_equal_the_full_forward(tiny_fact
         for pos in (70, 85, 99):
             torch.testing.assert_close(chunk[:, pos - 70], reference_logits(model, ids[:, : pos + 1]),
                                        atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_prefill_and_a_chunk_through_the_amx_kernel(tiny_factory, monkeypatch):
+    """A bf16 model whose rows fit the kernels: a 70-token prompt, then a 30-token chunk on its cache, run
+    through the AMX kernel where it builds; the chunk's logits agree with the same calls on PyTorch's
+    SDPA (TRANSMLA_CPU_KERNEL=0) to bf16 precision, and both stay near the fp32 model's."""
+    model = random_mla_model(tiny_factory, d_c=16, d_r=16)
+    ids = torch.randint(0, 97, (2, 100))
+    calls, counted = counting_kernel_calls()
+
+    def chunk_logits(m):
+        cache = LatentCache(m.config.num_hidden_layers, 100)
+        with torch.no_grad():
+            m(ids[:, :70], **cache_kwargs(cache), use_cache=True)
+            return m(ids[:, 70:], **cache_kwargs(cache), use_cache=True).logits.float()  # [2, 30, vocab]
+
+    exact = chunk_logits(model)
+    model = model.bfloat16()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("transmla.mla.kernels.fused_rows.mla_prefill_cpu", counted)
+        fast = chunk_logits(model)
+    assert set(calls) == {(70, 70, HAS_AMX), (30, 100, HAS_AMX)}
+    monkeypatch.setenv("TRANSMLA_CPU_KERNEL", "0")
+    sdpa = chunk_logits(model)
+    scale = exact.abs().max()
+    assert (fast - sdpa).abs().max() <= 0.02 * scale
+    assert (fast - exact).abs().max() <= 1.25 * (sdpa - exact).abs().max() + 1e-3 * scale

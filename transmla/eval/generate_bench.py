@@ -226,8 +226,9 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
 
 def _mla_attention(model, device: str, prefill: bool) -> dict[str, str]:
     """Which attention the MLA model ran: {"decode_attention": ..., "prefill_attention": ...}, each the
-    C kernel (mla/kernels/cpu_decode.py, cpu_prefill.py), the Triton kernel (CUDA decode), PyTorch's
-    SDPA, or "-" (no prefill: the cache was filled randomly)."""
+    C kernel (mla/kernels/cpu_decode.py, cpu_prefill.py; fp32), the AMX kernel (cpu_prefill.py; bf16
+    prefill), the Triton kernel (CUDA decode), PyTorch's SDPA, or "-" (no prefill: the cache was
+    filled randomly)."""
     if device == "cuda":
         return {"decode_attention": "triton", "prefill_attention": "sdpa" if prefill else "-"}
     from ..mla.kernels import cpu_decode, cpu_prefill
@@ -235,8 +236,12 @@ def _mla_attention(model, device: str, prefill: bool) -> dict[str, str]:
     m = model.config.mla
     shape = (model.config.num_attention_heads, m["kv_lora_rank"] + m["qk_rope_head_dim"], m["kv_lora_rank"])
     fp32 = next(model.parameters()).dtype == torch.float32
-    ran = lambda module: "c-kernel" if fp32 and module.kernel_status().get(shape) == "compiled" else "sdpa"
-    return {"decode_attention": ran(cpu_decode), "prefill_attention": ran(cpu_prefill) if prefill else "-"}
+    decode = "c-kernel" if fp32 and cpu_decode.kernel_status().get(shape) == "compiled" else "sdpa"
+    if fp32:
+        prefill_ran = "c-kernel" if cpu_prefill.kernel_status().get(shape) == "compiled" else "sdpa"
+    else:
+        prefill_ran = "amx-kernel" if cpu_prefill.kernel_status("bf16").get(shape) == "compiled" else "sdpa"
+    return {"decode_attention": decode, "prefill_attention": prefill_ran if prefill else "-"}
 
 
 def _unique_parameter_bytes(model) -> int:

@@ -1,4 +1,4 @@
-"""Build and load the CPU kernels (cpu_decode.c, cpu_prefill.c) on first use.
+"""Build and load the CPU kernels (cpu_decode.c, cpu_prefill.c, cpu_prefill_amx.c) on first use.
 
 Each kernel is compiled with the machine's C compiler (``$CC`` or ``cc``; -O3 -march=native) into
 ``$TRANSMLA_CACHE/kernels`` (default ~/.cache/transmla/kernels), once per shape (its -D defines)
@@ -40,14 +40,14 @@ def enabled() -> bool:
     return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def fits(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, max_heads: int) -> bool:
-    """What every kernel needs: enabled, no autograd (the kernels have no backward), CPU, fp32, q_rows
-    [B, T, H, W] with H <= max_heads, rows [B, S, W] with contiguous rows (any batch stride), W and d_c
-    multiples of 16, d_c <= W."""
+def fits(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, max_heads: int, dtype: torch.dtype = torch.float32) -> bool:
+    """What every kernel needs: enabled, no autograd (the kernels have no backward), CPU, the kernel's
+    dtype, q_rows [B, T, H, W] with H <= max_heads, rows [B, S, W] with contiguous rows (any batch
+    stride), W and d_c multiples of 16, d_c <= W."""
     H, W = q_rows.shape[-2:]
     grad = torch.is_grad_enabled() and (q_rows.requires_grad or rows.requires_grad)
-    return (enabled() and not grad and q_rows.device.type == "cpu" and q_rows.dtype == torch.float32
-            and rows.dtype == torch.float32 and H <= max_heads and W % 16 == 0 and d_c % 16 == 0
+    return (enabled() and not grad and q_rows.device.type == "cpu" and q_rows.dtype == dtype
+            and rows.dtype == dtype and H <= max_heads and W % 16 == 0 and d_c % 16 == 0
             and 0 < d_c <= W and rows.shape[-1] == W and rows.stride(-1) == 1 and rows.stride(1) == W)
 
 

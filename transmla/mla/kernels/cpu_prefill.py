@@ -1,4 +1,5 @@
-"""The CPU prefill kernel (cpu_prefill.c): absorbed MLA attention of many query tokens, causal, fp32.
+"""The CPU prefill kernels: absorbed MLA attention of many query tokens, causal; fp32 in cpu_prefill.c
+(portable C), bf16 in cpu_prefill_amx.c (AMX tiles; built only where the CPU has AMX-BF16).
 
 PyTorch's fused SDPA on the CPU needs the value as wide as the key, so the absorbed prefill
 (fused_rows.attend_rows: H query heads against one KV head, key = value = the cached row [c | k_r])
@@ -8,8 +9,12 @@ each key block among all heads of 16 query tokens. Built on first use, once per 
 width, value width), by cpu_build.py; without a compiler, or when the build fails, ``prefill_kernel``
 returns None with the reason in ``kernel_status`` and callers keep PyTorch's SDPA.
 
-Used for: CPU, fp32, no autograd, causal without a padding mask (the T queries are the last T of
-the S cached rows), width and value width multiples of 16. With several torch threads the query
+In bf16, PyTorch's SDPA runs on AMX here, yet most of its time at long context is outside the products
+(one layer, one thread, 8K: 250 ms against 170 ms with 16-wide heads); the AMX kernel takes 150 ms, the
+source's 64-wide GQA in SDPA 210 ms (kernels/NOTES.md).
+
+Used for: CPU, fp32 or bf16, no autograd, causal without a padding mask (the T queries are the last T
+of the S cached rows), width and value width multiples of 16. With several torch threads the query
 blocks are dealt out to them in turn (the causal work grows with the position).
 """
 
@@ -24,17 +29,19 @@ import torch
 
 from .cpu_build import STATUS, fits, load_kernel, pool
 
-__all__ = ["kernel_status", "mla_prefill_cpu", "prefill_kernel", "supports"]
+__all__ = ["amx_kernel", "kernel_status", "mla_prefill_cpu", "prefill_kernel", "supports"]
 
 SOURCE = Path(__file__).with_name("cpu_prefill.c")
-QUERY_BLOCK = 16  # query tokens per block (QB in cpu_prefill.c)
-KEY_BLOCK = 64  # keys per packed block (KB in cpu_prefill.c)
+AMX_SOURCE = Path(__file__).with_name("cpu_prefill_amx.c")
+QUERY_BLOCK = 16  # query tokens per block (QB in cpu_prefill.c and cpu_prefill_amx.c)
+KEY_BLOCK = 64  # keys per packed block (KB in both)
 MAX_HEADS = 64
 
 
 def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
-    """Can the kernel run this call? q_rows [B, T, H, W], rows [B, S, W] with T <= S."""
-    return 0 < q_rows.shape[1] <= rows.shape[1] and fits(q_rows, rows, d_c, MAX_HEADS)
+    """Can a kernel run this call? q_rows [B, T, H, W], rows [B, S, W] with T <= S, fp32 or bf16."""
+    return 0 < q_rows.shape[1] <= rows.shape[1] and (fits(q_rows, rows, d_c, MAX_HEADS)
+                                                     or fits(q_rows, rows, d_c, MAX_HEADS, torch.bfloat16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,32 +54,65 @@ def prefill_kernel(heads: int, width: int, d_c: int):
                         "mla_prefill_fp32": (ctypes.c_int, (p, p, p, n, n, p, n, n))})
 
 
-def kernel_status() -> dict[tuple, str]:
-    """{(heads, width, d_c): "compiled" or "unavailable: why"} for every prefill shape asked for so far."""
-    return {key[1:]: status for key, status in STATUS.items() if key[0] == "prefill"}
+@functools.lru_cache(maxsize=None)
+def amx_kernel(heads: int, width: int, d_c: int):
+    """{"mla_prefill_amx_pack": fn, "mla_prefill_amx": fn} (bf16) for this shape, or None (reason in
+    kernel_status("bf16")): no AMX-BF16 in the CPU or compiler, or Linux did not grant the tile state."""
+    p, n = ctypes.c_void_p, ctypes.c_long
+    key = ("prefill-bf16", heads, width, d_c)
+    kernel = load_kernel(key, AMX_SOURCE, f"mla_prefill_amx_h{heads}_w{width}_dc{d_c}",
+                         (f"-DH={heads}", f"-DW={width}", f"-DDC={d_c}"),
+                         {"mla_prefill_amx_permit": (ctypes.c_int, ()),
+                          "mla_prefill_amx_pack": (None, (p, n, n, n, p, p)),
+                          "mla_prefill_amx": (ctypes.c_int, (p, p, p, n, n, ctypes.c_float, p, n, n))})
+    if kernel is not None and kernel["mla_prefill_amx_permit"]() != 0:
+        STATUS[key] = "unavailable: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        return None
+    return kernel
+
+
+def kernel_status(dtype: str = "fp32") -> dict[tuple, str]:
+    """{(heads, width, d_c): "compiled" or "unavailable: why"} for every prefill shape asked for so far,
+    of the fp32 kernel or (dtype "bf16") the AMX one."""
+    kind = "prefill" if dtype == "fp32" else "prefill-bf16"
+    return {key[1:]: status for key, status in STATUS.items() if key[0] == kind}
 
 
 def mla_prefill_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
     """o_lat [B, T, H, d_c] for q_rows [B, T, H, W] = [q_lat | q_rope] against rows [B, S, W] = [c | k_r]
-    (query t sees rows s <= t + S - T), or None when the kernel cannot run here (the caller falls back)."""
+    (query t sees rows s <= t + S - T), or None when no kernel can run here (the caller falls back)."""
     if not supports(q_rows, rows, d_c):
         return None
     B, T, H, W = q_rows.shape
-    kernel = prefill_kernel(H, W, d_c)
-    if kernel is None:
-        return None
     S = rows.shape[1]
-    q = (q_rows * (softmax_scale * math.log2(math.e))).contiguous()  # [B, T, H, W]: the kernel's softmax is base 2
     blocks = -(-S // KEY_BLOCK)
-    packed = q.new_empty(B, blocks, W, KEY_BLOCK)  # every sequence's keys, transposed per block
-    kernel["mla_prefill_pack"](rows.data_ptr(), rows.stride(0), B, S, packed.data_ptr())
+    if q_rows.dtype == torch.bfloat16:
+        kernel = amx_kernel(H, W, d_c)
+        if kernel is None:
+            return None
+        q = q_rows.contiguous()  # [B, T, H, W]: the kernel scales the fp32 scores
+        depth = -(-W // 32) * 32  # the row width padded to AMX's depth of 32
+        keys = q.new_empty(B, blocks, depth * KEY_BLOCK)  # every sequence's keys and values in AMX's pair layout
+        values = q.new_empty(B, blocks, KEY_BLOCK * d_c)
+        kernel["mla_prefill_amx_pack"](rows.data_ptr(), rows.stride(0), B, S, keys.data_ptr(), values.data_ptr())
+        scale2 = softmax_scale * math.log2(math.e)
+        call = lambda b, out, first, threads: kernel["mla_prefill_amx"](
+            q[b].data_ptr(), keys[b].data_ptr(), values[b].data_ptr(), T, S, scale2, out.data_ptr(), first, threads)
+    else:
+        kernel = prefill_kernel(H, W, d_c)
+        if kernel is None:
+            return None
+        q = (q_rows * (softmax_scale * math.log2(math.e))).contiguous()  # [B, T, H, W]: the kernel's softmax is base 2
+        packed = q.new_empty(B, blocks, W, KEY_BLOCK)  # every sequence's keys, transposed per block
+        kernel["mla_prefill_pack"](rows.data_ptr(), rows.stride(0), B, S, packed.data_ptr())
+        call = lambda b, out, first, threads: kernel["mla_prefill_fp32"](
+            q[b].data_ptr(), packed[b].data_ptr(), rows[b].data_ptr(), T, S, out.data_ptr(), first, threads)
     out = q.new_empty(B, T, H, d_c)
     threads = max(1, min(torch.get_num_threads(), -(-T // QUERY_BLOCK)))
 
     def run(first: int) -> None:
         for b in range(B):
-            if kernel["mla_prefill_fp32"](q[b].data_ptr(), packed[b].data_ptr(), rows[b].data_ptr(), T, S, out[b].data_ptr(),
-                                first, threads) != 0:
+            if call(b, out[b], first, threads) != 0:
                 raise MemoryError("the MLA prefill kernel could not allocate its block buffers")
 
     if threads == 1:
