@@ -24,9 +24,10 @@ every row measured before mla/packed_linear.py existed was such a row, and their
 was PyTorch's fused SDPA. The others use its oneDNN-prepacked weights (the default of `transmla
 bench generate` and of generate()) and, in fp32, the C decode kernel (mla/kernels/cpu_decode.py;
 column `MLA attention`, from each row's `decode_attention`) and, since the session of 2026-11-25 09:20,
-the C prefill kernel (cpu_prefill.py, `prefill_attention`); the source always runs stock. The prefill
-settings measured before the prefill kernel are kept in the JSON under `history_sdpa_prefill` and
-listed below the table.
+the C prefill kernel (cpu_prefill.py, `prefill_attention`); bf16 prompts since 14:35 that day the AMX
+kernel (cpu_prefill_amx.c); the source always runs stock. The prefill settings measured before these
+kernels (in PyTorch's fused SDPA) are kept in the JSON under `history_sdpa_prefill` and listed below
+the table.
 
 Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
 saved after every setting (resumable). Run one benchmark process at a time; the load average is
@@ -82,10 +83,10 @@ PACKED_SETTINGS = [
     _setting("12.5", "bf16", 1, 32768, False),
     _setting("12.5", "bf16", 8, 8192, False),
     _setting("25", "fp32", 1, 8192, True, suffix="-prefill"),  # a real 8K prefill: its time grows as T^2
-    _setting("25", "bf16", 1, 2048, True),  # bf16 prompts keep SDPA (the C kernels are fp32)
+    _setting("25", "bf16", 1, 2048, True),  # bf16 prompts: the AMX kernel (cpu_prefill_amx.c) since 14:35
     _setting("12.5", "fp32", 1, 2048, True),
     _setting("25", "fp32", 1, 16384, True, suffix="-prefill"),
-    _setting("25", "bf16", 1, 8192, True, suffix="-prefill"),  # bf16 prompts at length: SDPA on AMX, value 96 wide
+    _setting("25", "bf16", 1, 8192, True, suffix="-prefill"),  # bf16 prompts at length
     _setting("25", "bf16", 1, 16384, True, suffix="-prefill"),
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
@@ -153,8 +154,9 @@ def write_report(results: dict) -> None:
         )
     history = results.get("history_sdpa_prefill", {})
     if history:
-        lines += ["", "Prefill before the C prefill kernel (MLA prefill attention in PyTorch's fused SDPA, value 96 "
-                      "wide), the same settings measured earlier:", "",
+        lines += ["", "Prefill before the prefill kernels (MLA prefill attention in PyTorch's fused SDPA, value 96 "
+                      "wide; fp32 before cpu_prefill.c, bf16 before cpu_prefill_amx.c), the same settings measured "
+                      "earlier:", "",
                   "| setting | prefill MLA s | prefill source s | prefill ratio | load |", "|---|---|---|---|---|"]
         for name, r in history.items():
             mla, env = r["rows"][0], r["environment"]
