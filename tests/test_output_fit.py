@@ -13,7 +13,7 @@ from transmla.convert import output_fit
 from transmla.convert.calibrate import mla_attention
 from transmla.convert.layers import source_layers
 from transmla.convert.options import ConvertOptions
-from transmla.convert.output_fit import FitSettings, fit_layer, refit_o_proj
+from transmla.convert.output_fit import FitSettings, fit_layer, output_error, refit_o_proj
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
 from transmla.convert.registry import get_method
 from transmla.convert.replicate import replicate
@@ -82,21 +82,22 @@ def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bi
                                               "sequences": [64, 32]}
 
 
-def _first_layer_io(tiny_factory, ids):
-    """The tiny llama's config, its first layer as the method converts it, and that layer's
+def _first_layer_io(tiny_factory, ids, family: str = "llama", bias: bool = False):
+    """A tiny model's config (llama by default), its first layer as the method converts it, and that layer's
     attention input x and source output z on `ids`."""
-    source, path = tiny_factory("llama")
+    source, path = tiny_factory(family, bias=bias)
     _, stream = _stream(path, None)
     layer = next(iter(stream))
     x, z = _source_io(source, 0, ids)
     return AutoConfig.from_pretrained(path), layer, x, z
 
 
-def test_closed_form_o_proj_minimises_the_ridge_objective(tiny_factory):
+@pytest.mark.parametrize("family,bias", [("llama", False), ("qwen2", True)])
+def test_closed_form_o_proj_minimises_the_ridge_objective(tiny_factory, family, bias):
     """The closed form, accumulated over batches of 5 sequences, is the stationary point of
     ||Y W^T - Z||^2 + lam ||W - W0||^2 (Y from a separate forward, gradient by autograd), and it
-    predicts Z better than the converted o_proj."""
-    config, layer, x, z = _first_layer_io(tiny_factory, _ids(3, 16, 24))
+    predicts Z better than the converted o_proj; the error it returns (from its sums) is output_error's."""
+    config, layer, x, z = _first_layer_io(tiny_factory, _ids(3, 16, 24), family, bias)
     attn = mla_attention(config, layer, "cpu")
     pos = torch.arange(x.shape[1])[None]
     seen = []
@@ -108,7 +109,8 @@ def test_closed_form_o_proj_minimises_the_ridge_objective(tiny_factory):
     target = z.reshape(-1, z.shape[-1]).double()  # [n, D]
     w0 = attn.o_proj.weight.double().clone()
     lam = output_fit.RIDGE * (y * y).sum(0).mean()
-    refit_o_proj(attn, x, z, pos, batch=5)
+    err = refit_o_proj(attn, x, z, pos, batch=5)
+    assert err == pytest.approx(output_error(attn, x, z, pos, batch=5), rel=1e-6)
     w = attn.o_proj.weight.double().clone().requires_grad_(True)
     objective = (y @ w.T - target).pow(2).sum() + lam * (w - w0).pow(2).sum()
     (grad,) = torch.autograd.grad(objective, w)
