@@ -88,6 +88,7 @@ PACKED_SETTINGS = [
     _setting("25", "fp32", 1, 16384, True, suffix="-prefill"),
     _setting("25", "bf16", 1, 8192, True, suffix="-prefill"),  # bf16 prompts at length
     _setting("25", "bf16", 1, 16384, True, suffix="-prefill"),
+    _setting("25", "bf16", 1, 32768, True, suffix="-prefill"),
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
 # every row was measured before the packed linears (mla/packed_linear.py) existed.
