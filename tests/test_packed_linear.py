@@ -15,6 +15,7 @@ from transmla.mla.packed_linear import (
     FP32_MIN_ROWS,
     PackedCPULinear,
     onednn_linear_available,
+    onednn_packs,
     use_packed_linears,
 )
 
@@ -63,15 +64,39 @@ def test_fp32_outside_its_rows_stays_plain(rows):
 
 @needs_onednn
 def test_bf16_any_rows():
+    """bf16 packs at any row count where oneDNN packs bf16 (AVX-512 or AVX-NE-CONVERT); elsewhere (an
+    AVX2-only CPU, where oneDNN's reorder raises) it stays F.linear, and a model's linears stay off."""
     lin = packed(40, 72, torch.bfloat16)
+    can = onednn_packs(torch.bfloat16)
     with torch.no_grad():
         lin(torch.randn(1, 40).to(torch.bfloat16))
-    assert lin._pack is not None
+    assert (lin._pack is not None) == can
     x = torch.randn(3, 64, 40).to(torch.bfloat16)
     with torch.no_grad():
         out = lin(x)
-    assert lin._pack is not None
+    assert (lin._pack is not None) == can
     torch.testing.assert_close(out.float(), F.linear(x, lin.weight, lin.bias).float(), atol=2e-2, rtol=2e-2)
+    model = nn.Sequential(nn.Linear(40, 72)).to(torch.bfloat16)
+    assert use_packed_linears(model) == (1 if can else 0) and model.packed_linears == can
+
+
+def test_bf16_packing_is_probed_not_assumed():
+    """onednn_packs answers by trying oneDNN's reorder: here it must agree with the CPU's flags."""
+    flags = set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if not onednn_linear_available():
+        assert not onednn_packs(torch.bfloat16)
+    elif {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags:
+        assert onednn_packs(torch.bfloat16)
+    elif flags:
+        assert not onednn_packs(torch.bfloat16), flags
+    assert onednn_packs(torch.float32) == onednn_linear_available() and not onednn_packs(torch.float16)
 
 
 @needs_onednn
@@ -100,8 +125,9 @@ def test_weight_change_repacks():
         torch.testing.assert_close(lin(x) - lin.bias, 2 * (first - lin.bias), atol=1e-5, rtol=1e-5)
         lin.load_state_dict({"weight": torch.zeros(72, 40), "bias": torch.ones(72)})
         assert torch.equal(lin(x), torch.ones(FP32_MIN_ROWS, 72))
-        lin.to(torch.bfloat16)
+        lin.to(torch.bfloat16)  # packed again where oneDNN packs bf16, else F.linear
         torch.testing.assert_close(lin(x.bfloat16()).float(), torch.ones(FP32_MIN_ROWS, 72))
+        assert (lin._pack_key[1] == torch.bfloat16) == onednn_packs(torch.bfloat16)
 
 
 def test_disabled_keeps_no_pack():

@@ -20,15 +20,20 @@ whenever the weight changes (its storage, dtype or in-place version), so trainin
 `load_state_dict` need no care. It costs a second copy of each packed weight in memory, so it is
 turned on only for decoding (the MLA model's `generate()`, `transmla bench generate`) and only when
 the copy fits: the linears' weights must be under half of the memory available (MemAvailable).
+oneDNN packs bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on others (an AVX2-only
+AMD EPYC, say) bf16 linears stay plain `F.linear` (`onednn_packs`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FP32_MAX_ROWS", "FP32_MIN_ROWS", "PackedCPULinear", "available_memory_bytes", "onednn_linear_available", "use_packed_linears"]
+__all__ = ["FP32_MAX_ROWS", "FP32_MIN_ROWS", "PackedCPULinear", "available_memory_bytes", "onednn_linear_available",
+           "onednn_packs", "use_packed_linears"]
 
 FP32_MIN_ROWS, FP32_MAX_ROWS = 4, 16  # the fp32 row counts where packing measured faster
 
@@ -38,6 +43,19 @@ def onednn_linear_available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
     return bool(torch.backends.mkldnn.is_available() and ops is not None
                 and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks a weight of this dtype on this CPU: tried once on a small weight
+    (bf16 raises on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not onednn_linear_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), FP32_MAX_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedCPULinear(nn.Linear):
@@ -54,7 +72,7 @@ class PackedCPULinear(nn.Linear):
         if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
             return False
         if w.dtype == torch.bfloat16:
-            return True
+            return onednn_packs(torch.bfloat16)
         return w.dtype == torch.float32 and FP32_MIN_ROWS <= x.numel() // max(x.shape[-1], 1) <= FP32_MAX_ROWS
 
     def _packed(self) -> torch.Tensor:
@@ -86,9 +104,9 @@ def available_memory_bytes() -> int | None:
 
 def use_packed_linears(model: nn.Module, enabled: bool = True) -> int:
     """Make every plain nn.Linear of `model` a PackedCPULinear (in place: same parameters) and set
-    whether they pack; the number that will pack (0 when disabled, without oneDNN's ops, or when the
-    packed copies would not fit in half the available memory). Records the outcome as
-    `model.packed_linears`."""
+    whether they pack; the number that will pack (0 when disabled, without oneDNN's ops, when oneDNN
+    cannot pack the weights' dtype on this CPU, or when the packed copies would not fit in half the
+    available memory). Records the outcome as `model.packed_linears`."""
     linears = []
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -98,7 +116,8 @@ def use_packed_linears(model: nn.Module, enabled: bool = True) -> int:
     if enabled:
         weights = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in linears}.values())
         free = available_memory_bytes()
-        enabled = onednn_linear_available() and (free is None or weights < free // 2)
+        dtypes = {m.weight.dtype for m in linears}
+        enabled = all(onednn_packs(d) for d in dtypes) and (free is None or weights < free // 2)
     for module in linears:
         module.packed_enabled = enabled
         module._pack = module._pack_key = None  # a disabled module keeps no second copy
