@@ -44,6 +44,22 @@ def test_kernel_equals_reference_decode(B, S, H, W, d_c, threads):
     torch.testing.assert_close(out, _reference(q_rows, rows, d_c, 0.2), atol=1e-5, rtol=1e-5)
 
 
+def test_the_profiler_sees_the_kernels_by_name():
+    """ctypes calls are invisible to torch's profiler: attend_rows names the decode and prefill kernels
+    (what `bench generate --profile-steps` lists), and only while a profiler records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from transmla.mla.kernels import cpu_prefill
+
+    rows = torch.randn(1, 40, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        attend_rows(torch.randn(1, 1, 3, 32), rows, 16, 0.2)  # one new token: decode
+        attend_rows(torch.randn(1, 40, 3, 32), rows, 16, 0.2, fold_max_queries=8)  # a prompt: prefill
+    names = {e.key for e in prof.key_averages()}
+    assert "transmla::cpu_decode_kernel" in names, (names, cpu_decode.kernel_status())
+    assert "transmla::cpu_prefill_kernel" in names, (names, cpu_prefill.kernel_status())
+
+
 def test_kernel_refuses_what_it_does_not_cover():
     rows = torch.randn(2, 10, 32)
     assert not cpu_decode.supports(torch.randn(2, 2, 3, 32), rows, 16)  # two query tokens

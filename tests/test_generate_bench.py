@@ -101,6 +101,32 @@ def test_plain_linears_on_request(tiny):
     assert result["rows"][0]["linears"] == "plain"
 
 
+def test_profile_of_decode_steps(tiny, cli):
+    """profile_steps: each row lists where its profiled decode steps went (largest self times first,
+    then the time outside torch ops), all within the profiled wall time."""
+    from transmla.eval.generate_bench import PROFILE_TOP
+
+    result = bench_generate(str(tiny["small"]), str(tiny["src"]), batch=1, context=12, new_tokens=2, device="cpu",
+                            repeats=1, source_caches=("static",), threads=1, profile_steps=3)
+    for row in result["rows"]:
+        prof = row["profile"]
+        assert prof["steps"] == 3 and prof["ms_per_step"] > 0
+        ops = prof["ops"]
+        assert 2 <= len(ops) <= PROFILE_TOP + 1 and ops[-1]["op"] == "(outside torch ops)"
+        assert [o["ms_per_step"] for o in ops[:-1]] == sorted((o["ms_per_step"] for o in ops[:-1]), reverse=True)
+        assert all(o["ms_per_step"] >= 0 and o["share"] == pytest.approx(o["ms_per_step"] / prof["ms_per_step"])
+                   for o in ops)
+        assert sum(o["share"] for o in ops) <= 1 + 1e-6
+        assert any(o["op"].startswith("aten::") for o in ops)
+    code, out, err = cli("bench", "generate", tiny["small"], "--source", tiny["src"], "--batch", 1, "--context", 8,
+                         "--new-tokens", 2, "--device", "cpu", "--repeats", 1, "--source-cache", "static",
+                         "--profile-steps", 2)
+    assert code == 0, err
+    assert out.count("decode steps profiled") == 2 and "(outside torch ops)" in out
+    assert "profile" not in bench_generate(str(tiny["small"]), str(tiny["src"]), batch=1, context=8, new_tokens=1,
+                                           device="cpu", repeats=1, source_caches=("static",))["rows"][0]
+
+
 def test_compressed_source_found_from_config(tiny):
     """No --source: the path the conversion recorded is used; a half-budget model caches less."""
     from transmla.checkpoint.resolve import load_config
@@ -146,6 +172,7 @@ def test_recorded_source_missing(tiny, tmp_path):
         ({"context": 250, "new_tokens": 10}, "max_position_embeddings"),
         ({"repeats": 0}, "repeats must be at least 1"),
         ({"source_caches": ("sliding",)}, "unknown source cache"),
+        ({"profile_steps": -1}, "profile_steps must be at least 0"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, message):

@@ -114,6 +114,9 @@ def generate(
     packed_linears: Annotated[bool, typer.Option(
         help="The MLA model's linears use oneDNN-prepacked weights on the CPU (bf16, or fp32 at 4 to 16 rows); "
              "--no-packed-linears runs plain F.linear, as the stock source does.")] = True,
+    profile_steps: Annotated[int, typer.Option(
+        help="After the timed runs, profile this many decode steps per model and cache with torch's profiler "
+             "and list the ops of largest self time (0: no profile).")] = 0,
     as_json: JsonFlag = False,
 ) -> None:
     """End-to-end greedy decode: tokens/s, prefill, cache bytes, MLA model against its source's best stock cache."""
@@ -124,13 +127,29 @@ def generate(
                                 dtype=dtype, device=device, seed=seed, repeats=repeats, prefill=prefill,
                                 source_caches=tuple(source_cache or SOURCE_CACHES),
                                 beyond_positions=beyond_positions, threads=threads,
-                                progress=not as_json, packed_linears=packed_linears)
+                                progress=not as_json, packed_linears=packed_linears, profile_steps=profile_steps)
     except ValueError as exc:
         _fail(str(exc).strip().splitlines()[0])
     if as_json:
         print(json.dumps(result, indent=2, default=str))
         return
     stdout.print(_generate_table(result))
+    for row in result["rows"]:
+        if "profile" in row:
+            stdout.print(_profile_table(row))
+
+
+def _profile_table(row: dict) -> Table:
+    """The ops of largest self time in one model's profiled decode steps."""
+    prof = row["profile"]
+    table = Table(title=f"{Path(row['model']).name or row['model']} ({row['cache']} cache): {prof['steps']} decode "
+                        f"steps profiled, {prof['ms_per_step']:.1f} ms a step with the profiler on")
+    table.add_column("op (self time)")
+    table.add_column("ms/step", justify="right")
+    table.add_column("share", justify="right")
+    for op in prof["ops"]:
+        table.add_row(op["op"], f"{op['ms_per_step']:.2f}", f"{op['share']:.0%}")
+    return table
 
 
 def _generate_table(result: dict) -> Table:

@@ -36,7 +36,7 @@ from .kv import cache_bytes
 from .kv import kv_summary
 from .report import environment
 
-__all__ = ["bench_generate", "default_dtype", "find_recorded_source"]
+__all__ = ["bench_generate", "default_dtype", "find_recorded_source", "profile_decode"]
 
 WARMUP_PROMPT_TOKENS = 8  # prompt length of the untimed warm-up pass
 
@@ -145,9 +145,9 @@ def _fill_randomly(model, cache, batch: int, context: int, seed: int) -> None:
         cache.update(k, v, layer)  # [B, heads, T, width]
 
 
-def _run(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bool, seed: int):
-    """Fill a fresh cache with ``ids`` [B, T] (a real prefill, or random contents), then decode
-    ``new_tokens`` greedy steps. Returns (cache, prefill_seconds or None, decode_seconds)."""
+def _fill(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bool, seed: int):
+    """A fresh cache for the T + ``new_tokens`` tokens, filled with ``ids`` [B, T] by a real prefill or
+    with random contents. Returns (cache, the next-token logits [B, 1, vocab], prefill seconds or None)."""
     device = ids.device.type
     B, T = ids.shape
     cache = _new_cache(model, cache_kind, T + new_tokens)
@@ -159,13 +159,50 @@ def _run(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bo
         _fill_randomly(model, cache, B, T, seed)
         logits = model.lm_head(model.model.embed_tokens(ids[:, -1:]))  # [B, 1, vocab]: any valid next token
     _sync(device)
-    t1 = time.perf_counter()
-    for _ in range(new_tokens):
+    return cache, logits, (time.perf_counter() - t0) if prefill else None
+
+
+def _decode(model, cache, logits: torch.Tensor, steps: int) -> None:
+    """``steps`` greedy decode steps through ``cache``, each feeding back the argmax (as generate() does)."""
+    for _ in range(steps):
         nxt = logits.argmax(-1)  # [B, 1] greedy
         logits = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True).logits
-    _sync(device)
-    t2 = time.perf_counter()
-    return cache, (t1 - t0) if prefill else None, t2 - t1
+
+
+def _run(model, ids: torch.Tensor, new_tokens: int, cache_kind: str, prefill: bool, seed: int):
+    """Fill a fresh cache with ``ids`` [B, T] (a real prefill, or random contents), then decode
+    ``new_tokens`` greedy steps. Returns (cache, prefill_seconds or None, decode_seconds)."""
+    cache, logits, prefill_s = _fill(model, ids, new_tokens, cache_kind, prefill, seed)
+    t1 = time.perf_counter()
+    _decode(model, cache, logits, new_tokens)
+    _sync(ids.device.type)
+    return cache, prefill_s, time.perf_counter() - t1
+
+
+PROFILE_TOP = 10  # ops listed by profile_decode
+
+
+def profile_decode(model, ids: torch.Tensor, steps: int, cache_kind: str, seed: int) -> dict[str, Any]:
+    """Where ``steps`` decode steps after a random fill of ``ids``' size spend their time, by torch's
+    profiler (CPU activities): {"steps", "ms_per_step" (wall while profiling, its overhead included),
+    "ops": the PROFILE_TOP ops of largest self time, each {"op", "ms_per_step", "share"} of that wall,
+    then "(outside torch ops)": wall minus every op's self time (Python and the model's glue)}. The C
+    kernels appear as transmla::cpu_decode_kernel / cpu_prefill_kernel (fused_rows.py names them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, logits, _ = _fill(model, ids, steps, cache_kind, False, seed)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        _decode(model, cache, logits, steps)
+        _sync(ids.device.type)
+        wall_ms = 1000 * (time.perf_counter() - t0) / steps
+    del cache
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    self_ms = [(e.key, e.self_cpu_time_total / 1000 / steps) for e in events]  # microseconds -> ms per step
+    ops = [{"op": name, "ms_per_step": ms, "share": ms / wall_ms} for name, ms in self_ms[:PROFILE_TOP]]
+    outside = max(0.0, wall_ms - sum(ms for _, ms in self_ms))
+    ops.append({"op": "(outside torch ops)", "ms_per_step": outside, "share": outside / wall_ms})
+    return {"steps": steps, "ms_per_step": wall_ms, "ops": ops}
 
 
 def _random_prompts(vocab_size: int, batch: int, context: int, seed: int, device: str) -> torch.Tensor:
@@ -176,8 +213,9 @@ def _random_prompts(vocab_size: int, batch: int, context: int, seed: int, device
 
 def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: str, device: str, seed: int,
                  repeats: int, prefill: bool, source_caches, progress: bool,
-                 packed_linears: bool = True) -> list[dict[str, Any]]:
-    """Load one model, warm it up, time fill + decode ``repeats`` times per cache kind; one row per cache kind."""
+                 packed_linears: bool = True, profile_steps: int = 0) -> list[dict[str, Any]]:
+    """Load one model, warm it up, time fill + decode ``repeats`` times per cache kind (then profile
+    ``profile_steps`` decode steps when asked); one row per cache kind."""
     from ..checkpoint.resolve import load_model
     from ..mla.model import is_mla_config, set_decode_mode
     from ..mla.packed_linear import use_packed_linears
@@ -210,6 +248,13 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
                         _free(device)
             peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
             row = _row(spec, model, cache, batch, context, new_tokens, dtype, device, prefills, decodes, peak)
+            if profile_steps:
+                del cache
+                _free(device)
+                _status(progress, f"profiling {profile_steps} decode steps, {kind} cache")
+                with torch.inference_mode():
+                    row["profile"] = profile_decode(model, ids, profile_steps, kind, seed)
+                cache = None
             row.update(cache=kind, decode_mode="auto" if mla else None, linears=linears or "plain (stock)",
                        **(_mla_attention(model, device, prefill) if mla
                           else {"decode_attention": "stock", "prefill_attention": "stock" if prefill else "-"}))
@@ -332,6 +377,7 @@ def bench_generate(
     threads: int | None = None,
     progress: bool = False,
     packed_linears: bool = True,
+    profile_steps: int = 0,
 ) -> dict[str, Any]:
     """Decode speed, prefill time and cache of ``model`` and its source: {"environment": ..., "rows": [...]}.
 
@@ -345,6 +391,7 @@ def bench_generate(
     threads for the run (both models alike; on a shared CPU one thread avoids the stalls of a
     thread team waiting for a descheduled member). ``packed_linears`` False runs the MLA model's
     linears through plain ``F.linear`` (mla/packed_linear.py); each row's ``linears`` says which ran.
+    ``profile_steps`` > 0 adds each row's ``profile`` (profile_decode) after its timed runs.
     """
     from ..checkpoint.resolve import load_config
 
@@ -366,6 +413,8 @@ def bench_generate(
 
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
+    if profile_steps < 0:
+        raise ValueError(f"profile_steps must be at least 0, got {profile_steps}")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or old_threads)
     try:
@@ -373,7 +422,7 @@ def bench_generate(
         specs = [model] if source is None else [model, source]
         rows = [row for spec in specs for row in _bench_model(
             spec, batch, context, new_tokens, dtype, device, seed, repeats, prefill, tuple(source_caches), progress,
-            packed_linears)]
+            packed_linears, profile_steps)]
     finally:
         torch.set_num_threads(old_threads)
     env["load_average_after"] = round(os.getloadavg()[0], 2)

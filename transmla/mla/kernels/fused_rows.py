@@ -18,6 +18,8 @@ heads. Many queries (prefill) or a padding mask: H query heads against one KV he
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -40,7 +42,8 @@ def attend_rows(
     if mask is not None and rows.device.type == "cpu" and _plain_causal(mask, T, S):  # (no device sync)
         mask = None  # e.g. transformers' mask for a chunk after the cache: the kernels and SDPA's causal flag
     if mask is None and T == 1:
-        out = mla_decode_cpu(q_rows, rows, d_c, softmax_scale)  # [B, 1, H, d_c], None where it cannot run
+        with _profiled("transmla::cpu_decode_kernel"):
+            out = mla_decode_cpu(q_rows, rows, d_c, softmax_scale)  # [B, 1, H, d_c], None where it cannot run
         if out is not None:
             return out
     kv = rows[:, None]  # [B, 1, S, d_c + d_r]: one KV head, value = key
@@ -53,7 +56,8 @@ def attend_rows(
         out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=causal, scale=softmax_scale)  # [B, 1, T*H, w]
         return out[..., :d_c].reshape(B, T, H, d_c)
     if mask is None:
-        out = mla_prefill_cpu(q_rows, rows, d_c, softmax_scale)  # [B, T, H, d_c], None where it cannot run
+        with _profiled("transmla::cpu_prefill_kernel"):
+            out = mla_prefill_cpu(q_rows, rows, d_c, softmax_scale)  # [B, T, H, d_c], None where it cannot run
         if out is not None:
             return out
     q = q_rows.transpose(1, 2)  # [B, H, T, d_c + d_r]
@@ -64,6 +68,12 @@ def attend_rows(
         q, kv, kv, attn_mask=mask, is_causal=mask is None, scale=softmax_scale, enable_gqa=True
     )  # [B, H, T, d_c + d_r]
     return out[..., :d_c].transpose(1, 2)  # [B, T, H, d_c]
+
+
+def _profiled(name: str):
+    """A named range for torch's profiler while one records (the C kernels' ctypes calls are invisible
+    to it; `transmla bench generate --profile-steps`), else nothing."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _plain_causal(mask: torch.Tensor, T: int, S: int) -> bool:
