@@ -29,8 +29,9 @@ kernel (cpu_prefill_amx.c); the source always runs stock. The prefill settings m
 kernels (in PyTorch's fused SDPA) are kept in the JSON under `history_sdpa_prefill` and listed below
 the table.
 
-Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png; the JSON is
-saved after every setting (resumable). Run one benchmark process at a time; the load average is
+Writes benchmarks/results/generate_bench.json, generate_bench.md and generate_bench.png (or STEM.* with
+--stem STEM: another machine's rows); the JSON is saved after every setting (resumable). --unfitted
+converts with --fit-steps 0 (the same shapes, so the same speed, without the fit's minutes). Run one benchmark process at a time; the load average is
 recorded with each setting.
 """
 
@@ -47,7 +48,7 @@ from transmla.eval.generate_bench import bench_generate
 
 from .common import RESULTS, load_json, machine, save_json
 
-JSON_PATH = RESULTS / "generate_bench.json"
+STEM = "generate_bench"  # results file stem; --stem names another (another machine's rows)
 MODELS = cache_root() / "bench-generate"
 SOURCE = "smollm2-135m"
 NEW_TOKENS = 16
@@ -89,6 +90,18 @@ PACKED_SETTINGS = [
     _setting("25", "bf16", 1, 8192, True, suffix="-prefill"),  # bf16 prompts at length
     _setting("25", "bf16", 1, 16384, True, suffix="-prefill"),
     _setting("25", "bf16", 1, 32768, True, suffix="-prefill"),
+    _setting("25", "fp32", 1, 32768, True, suffix="-prefill"),
+    # the remaining grid of the issue's goal (25% and 12.5%, fp32 and bf16, batch 1 and 8, 8K-32K)
+    _setting("25", "bf16", 8, 32768, False),
+    _setting("12.5", "fp32", 1, 16384, False),
+    _setting("12.5", "fp32", 8, 16384, False),
+    _setting("12.5", "fp32", 8, 32768, False),
+    _setting("12.5", "bf16", 1, 8192, False),
+    _setting("12.5", "bf16", 1, 16384, False),
+    _setting("12.5", "bf16", 8, 16384, False),
+    _setting("12.5", "bf16", 8, 32768, False),
+    _setting("12.5", "fp32", 1, 8192, True, suffix="-prefill"),
+    _setting("12.5", "bf16", 1, 8192, True, suffix="-prefill"),
 ]
 # The same settings with the MLA model's linears through plain F.linear (`--no-packed-linears`), as
 # every row was measured before the packed linears (mla/packed_linear.py) existed.
@@ -98,31 +111,34 @@ SETTINGS = PACKED_SETTINGS + [_setting(s["budget"], s["dtype"], s["batch"], s["c
                               for s in PACKED_SETTINGS if s["name"] in PLAIN]
 
 
-def converted_model(budget: str) -> Path:
-    """The CLI-default TransMLA conversion at this budget (converted once, then reused)."""
-    out = MODELS / f"transmla-{budget}"
+def converted_model(budget: str, fitted: bool = True) -> Path:
+    """The CLI-default TransMLA conversion at this budget (converted once, then reused); with
+    ``fitted`` False, the same with --fit-steps 0: the same shapes, so the same speed, in a few
+    minutes instead of the default fit's (about 25 minutes on a CPU without bf16 matrix units)."""
+    out = MODELS / (f"transmla-{budget}" + ("" if fitted else "-fit0"))
     if not (out / "config.json").exists():
         cli = Path(sys.executable).with_name("transmla")
         subprocess.run([str(cli), "convert", SOURCE, str(out), "--method", "transmla",
-                        "--kv-budget", str(BUDGETS[budget])], check=True)
+                        "--kv-budget", str(BUDGETS[budget]), *([] if fitted else ["--fit-steps", "0"])], check=True)
     return out
 
 
-def run_setting(setting: dict) -> dict:
+def run_setting(setting: dict, fitted: bool = True) -> dict:
     result = bench_generate(
-        str(converted_model(setting["budget"])), SOURCE, batch=setting["batch"], context=setting["context"],
+        str(converted_model(setting["budget"], fitted)), SOURCE, batch=setting["batch"], context=setting["context"],
         new_tokens=NEW_TOKENS, dtype=setting["dtype"], device="cpu", repeats=REPEATS, prefill=setting["prefill"],
         beyond_positions=True, threads=THREADS, progress=True, packed_linears=setting["linears"] == "packed",
     )
-    return {**setting, **result}
+    return {**setting, "fitted": fitted, **result}
 
 
 def _ratio(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def write_report(results: dict) -> None:
+def write_report(results: dict, stem: str = STEM) -> None:
     rows = [results["settings"][s["name"]] for s in SETTINGS if s["name"] in results["settings"]]
+    unfitted = [r["name"] for r in rows if not r.get("fitted", True)]
     lines = [
         "# Decode speed on the CPU: converted SmolLM2-135M (TransMLA) against its source",
         "",
@@ -136,6 +152,8 @@ def write_report(results: dict) -> None:
         "",
         f"Machine: {results.get('machine', '?')}.",
         "",
+        *([f"Converted with --fit-steps 0 (the default shapes, so the default's speed): {', '.join(unfitted)}.", ""]
+          if unfitted else []),
         "| setting | MLA linears | MLA attention (decode, prefill) | fill | MLA tok/s | source tok/s | source cache | speedup | ideal | speedup / ideal | "
         "prefill MLA s | prefill source s | prefill ratio | MLA cache MB | source cache MB | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -164,11 +182,11 @@ def write_report(results: dict) -> None:
             src = min(x["prefill_seconds"] for x in r["rows"][1:] if x["prefill_seconds"])
             lines.append(f"| {name} | {mla['prefill_seconds']:.1f} | {src:.1f} | {mla['prefill_ratio_vs_source']:.2f} "
                          f"| {env['load_average']} -> {env['load_average_after']} |")
-    (RESULTS / "generate_bench.md").write_text("\n".join(lines) + "\n")
-    _plot(rows)
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, stem)
 
 
-def _plot(rows: list[dict]) -> None:
+def _plot(rows: list[dict], stem: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +215,7 @@ def _plot(rows: list[dict]) -> None:
         ax.set_title(f"{budget}% cache, {dtype}, batch {batch}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "generate_bench.png", dpi=110)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=110)
 
 
 def main() -> None:
@@ -205,8 +223,12 @@ def main() -> None:
     parser.add_argument("--only", help="run only these settings (comma-separated names as in SETTINGS)")
     parser.add_argument("--report", action="store_true", help="only rewrite the table and plot")
     parser.add_argument("--redo", action="store_true", help="run settings already in the JSON again")
+    parser.add_argument("--stem", default=STEM, help=f"results file stem under benchmarks/results (default {STEM})")
+    parser.add_argument("--unfitted", action="store_true",
+                        help="convert with --fit-steps 0 (same shapes and speed; minutes instead of the fit's)")
     args = parser.parse_args()
-    results = load_json(JSON_PATH) or {"settings": {}}
+    json_path = RESULTS / f"{args.stem}.json"
+    results = load_json(json_path) or {"settings": {}}
     if not args.report:
         env = machine()
         results["machine"] = f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}"
@@ -218,9 +240,9 @@ def main() -> None:
                 and (args.redo or only or s["name"] not in results["settings"])]
         for setting in todo:
             print(f"== {setting['name']}", file=sys.stderr, flush=True)
-            results["settings"][setting["name"]] = run_setting(setting)
-            save_json(JSON_PATH, results, sort_keys=False, default=str, newline=True)
-    write_report(results)
+            results["settings"][setting["name"]] = run_setting(setting, fitted=not args.unfitted)
+            save_json(json_path, results, sort_keys=False, default=str, newline=True)
+    write_report(results, args.stem)
 
 
 if __name__ == "__main__":

@@ -56,12 +56,13 @@ class FitSettings:
 
 
 def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int):
-    """Y^T Y [H*d_v, H*d_v], Y^T (Z - b_o) [H*d_v, D] and ||Z - b_o||^2 in float64 over all tokens,
-    Y = o_proj's input."""
+    """Y^T Y [H*d_v, H*d_v], Y^T (Z - b_o) [H*d_v, D], ||Z - b_o||^2 and ||Z||^2 in float64 over all
+    tokens, Y = o_proj's input."""
     width = attn.o_proj.in_features
     yy = torch.zeros(width, width, dtype=torch.float64, device=x.device)
     yz = torch.zeros(width, z.shape[-1], dtype=torch.float64, device=x.device)
     zz = torch.zeros((), dtype=torch.float64, device=x.device)
+    z_norm = torch.zeros((), dtype=torch.float64, device=x.device)
     bias = attn.o_proj.bias
     seen: list[torch.Tensor] = []
     hook = attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(args[0]))
@@ -70,6 +71,7 @@ def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, pos
             attn(x[start : start + batch], position_ids=position_ids)
             y = seen.pop().reshape(-1, width).double()  # [n, H*d_v]
             target = z[start : start + batch].reshape(-1, z.shape[-1]).double()  # [n, D]
+            z_norm += target.pow(2).sum()
             if bias is not None:  # the bias stays: W is fitted to Z - b_o
                 target = target - bias.double()
             yy += y.T @ y
@@ -77,7 +79,7 @@ def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, pos
             zz += target.pow(2).sum()
     finally:
         hook.remove()
-    return yy, yz, zz
+    return yy, yz, zz, z_norm
 
 
 @torch.no_grad()
@@ -85,7 +87,7 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_
     """Steps 1 and 3: the ridge least-squares o_proj (module docstring), in place. Returns the layer's
     output error after it (output_error's value) from the same sums, without another pass over the tokens:
     ||Y W^T - (Z - b)||^2 = tr(W Y^T Y W^T) - 2 tr(W Y^T (Z - b)) + ||Z - b||^2."""
-    yy, yz, zz = _heads_output_gram(attn, x, z, position_ids, batch)
+    yy, yz, zz, z_norm = _heads_output_gram(attn, x, z, position_ids, batch)
     w0 = attn.o_proj.weight.double()  # [D, H*d_v]
     lam = RIDGE * yy.diagonal().mean()
     eye = torch.eye(yy.shape[0], dtype=yy.dtype, device=yy.device)
@@ -93,15 +95,17 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_
     attn.o_proj.weight.copy_(w.to(attn.o_proj.weight.dtype))
     w = attn.o_proj.weight.double()  # as stored
     err = (w @ yy * w).sum() - 2 * (w.T * yz).sum() + zz
-    return float(err.clamp_min(0)) / max(float(z.double().pow(2).sum()), 1e-30)
+    return float(err.clamp_min(0)) / max(float(z_norm), 1e-30)
 
 
 @torch.no_grad()
 def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int) -> float:
     """||Attn_mla(X) - Z||^2 / ||Z||^2 over all tokens."""
-    err = sum(float((attn(x[s : s + batch], position_ids=position_ids)[0] - z[s : s + batch]).double().pow(2).sum())
-              for s in range(0, x.shape[0], batch))
-    return err / max(float(z.double().pow(2).sum()), 1e-30)
+    err = z_norm = 0.0
+    for s in range(0, x.shape[0], batch):  # float64 per batch of sequences, no copy of all of z
+        err += float((attn(x[s : s + batch], position_ids=position_ids)[0] - z[s : s + batch]).double().pow(2).sum())
+        z_norm += float(z[s : s + batch].double().pow(2).sum())
+    return err / max(z_norm, 1e-30)
 
 
 def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
@@ -173,18 +177,13 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
     attn.eval()  # the expanded path, differentiable; no cache
     before = output_error(attn, x, z, position_ids, batch)
     best, best_error = layer, before  # an exact layer stays: Adam's unit-size steps can only perturb it
-    after = None
-    if settings.closed_form:
-        after = refit_o_proj(attn, x, z, position_ids, batch)
-        if settings.steps:  # step 1 alone is a candidate too (else it is the result below)
-            if after < best_error:
-                best, best_error = layer_of(attn, layer), after
+    after = refit_o_proj(attn, x, z, position_ids, batch) if settings.closed_form else before
     info = {}
     if settings.steps:
+        if after < best_error:  # step 1 alone is a candidate too
+            best, best_error = layer_of(attn, layer), after
         info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings)
-        after = refit_o_proj(attn, x, z, position_ids, batch) if settings.closed_form else None
-    if after is None:
-        after = output_error(attn, x, z, position_ids, batch)
+        after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch)
     if after < best_error:
         best, best_error = layer_of(attn, layer), after
     return best, {"output_error": [round(before, 6), round(best_error, 6)], **info}
