@@ -25,7 +25,9 @@ was PyTorch's fused SDPA. The others use its oneDNN-prepacked weights (the defau
 bench generate` and of generate()) and, in fp32, the C decode kernel (mla/kernels/cpu_decode.py;
 column `MLA attention`, from each row's `decode_attention`) and, since the session of 2026-11-25 09:20,
 the C prefill kernel (cpu_prefill.py, `prefill_attention`); bf16 prompts since 14:35 that day the AMX
-kernel (cpu_prefill_amx.c); the source always runs stock. The prefill settings measured before these
+kernel (cpu_prefill_amx.c), and bf16 decode since 19:58 the AMX decode kernel (cpu_decode_amx.c; the rows
+measured before it are kept under `history_sdpa_decode` and listed below the table); the source always
+runs stock. The prefill settings measured before these
 kernels (in PyTorch's fused SDPA) are kept in the JSON under `history_sdpa_prefill` and listed below
 the table.
 
@@ -132,6 +134,15 @@ def run_setting(setting: dict, fitted: bool = True) -> dict:
     return {**setting, "fitted": fitted, **result}
 
 
+def _keep_sdpa_decode(results: dict, name: str) -> None:
+    """A packed bf16 row measured with PyTorch's SDPA as decode attention (before cpu_decode_amx.c) moves to
+    `history_sdpa_decode` when its setting is run again (the first such row is kept)."""
+    old = results["settings"].get(name)
+    if (old and old["dtype"] == "bf16" and old.get("linears") == "packed"
+            and old["rows"][0].get("decode_attention") == "sdpa"):
+        results.setdefault("history_sdpa_decode", {}).setdefault(name, old)
+
+
 def _ratio(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -181,6 +192,18 @@ def write_report(results: dict, stem: str = STEM) -> None:
             mla, env = r["rows"][0], r["environment"]
             src = min(x["prefill_seconds"] for x in r["rows"][1:] if x["prefill_seconds"])
             lines.append(f"| {name} | {mla['prefill_seconds']:.1f} | {src:.1f} | {mla['prefill_ratio_vs_source']:.2f} "
+                         f"| {env['load_average']} -> {env['load_average_after']} |")
+    history = results.get("history_sdpa_decode", {})
+    if history:
+        lines += ["", "bf16 decode before the AMX decode kernel (MLA decode attention in PyTorch's fused SDPA, "
+                      "cpu_decode_amx.c since the session of 2026-11-25 19:58), the same settings measured earlier:", "",
+                  "| setting | MLA tok/s | source tok/s | speedup | ideal | speedup / ideal | load |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in history.items():
+            mla, env = r["rows"][0], r["environment"]
+            src = next(x for x in r["rows"][1:] if x["cache"] == mla["source_cache"])
+            lines.append(f"| {name} | {mla['decode_tokens_per_second']:.2f} | {src['decode_tokens_per_second']:.2f} "
+                         f"| {mla['speedup_vs_source']:.2f} | {mla['ideal_speedup']:.2f} | {mla['fraction_of_ideal']:.2f} "
                          f"| {env['load_average']} -> {env['load_average_after']} |")
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, stem)
@@ -240,6 +263,7 @@ def main() -> None:
                 and (args.redo or only or s["name"] not in results["settings"])]
         for setting in todo:
             print(f"== {setting['name']}", file=sys.stderr, flush=True)
+            _keep_sdpa_decode(results, setting["name"])
             results["settings"][setting["name"]] = run_setting(setting, fitted=not args.unfitted)
             save_json(json_path, results, sort_keys=False, default=str, newline=True)
     write_report(results, args.stem)

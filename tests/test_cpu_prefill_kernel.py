@@ -6,8 +6,6 @@ without a compiler the SDPA path runs."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +15,7 @@ from transmla.mla.kernels.fused_rows import attend_rows
 from transmla.mla.kernels.reference import mla_decode_reference
 from transmla.mla.latent_cache import LatentCache, cache_kwargs
 
-from test_cpu_decode_kernel import on_threads, without_kernel_cache
+from test_cpu_decode_kernel import HAS_AMX, on_threads, without_kernel_cache
 from test_fast_decode import random_mla_model, reference_logits
 
 
@@ -30,8 +28,6 @@ def _reference(q_rows, rows, d_c, scale):
 SHAPES = [(2, 9, 9, 9, 96, 64), (1, 16, 16, 3, 32, 16), (2, 17, 17, 5, 48, 32),
           (3, 65, 65, 9, 96, 64), (2, 65, 100, 9, 96, 64), (1, 1, 70, 4, 32, 16),
           (1, 200, 200, 12, 128, 80), (1, 130, 300, 7, 64, 48)]
-# The AMX kernel is built where the CPU has AMX-BF16 (CI's machine does); elsewhere its tests check the fallback.
-HAS_AMX = "amx_bf16" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
 
 
 @pytest.mark.parametrize("B,T,S,H,W,d_c", SHAPES)

@@ -271,8 +271,8 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
 
 def _mla_attention(model, device: str, prefill: bool) -> dict[str, str]:
     """Which attention the MLA model ran: {"decode_attention": ..., "prefill_attention": ...}, each the
-    C kernel (mla/kernels/cpu_decode.py, cpu_prefill.py; fp32), the AMX kernel (cpu_prefill.py; bf16
-    prefill), the Triton kernel (CUDA decode), PyTorch's SDPA, or "-" (no prefill: the cache was
+    C kernel (mla/kernels/cpu_decode.py, cpu_prefill.py; fp32), the AMX kernel (the same modules; bf16),
+    the Triton kernel (CUDA decode), PyTorch's SDPA, or "-" (no prefill: the cache was
     filled randomly)."""
     if device == "cuda":
         return {"decode_attention": "triton", "prefill_attention": "sdpa" if prefill else "-"}
@@ -281,11 +281,9 @@ def _mla_attention(model, device: str, prefill: bool) -> dict[str, str]:
     m = model.config.mla
     shape = (model.config.num_attention_heads, m["kv_lora_rank"] + m["qk_rope_head_dim"], m["kv_lora_rank"])
     fp32 = next(model.parameters()).dtype == torch.float32
-    decode = "c-kernel" if fp32 and cpu_decode.kernel_status().get(shape) == "compiled" else "sdpa"
-    if fp32:
-        prefill_ran = "c-kernel" if cpu_prefill.kernel_status().get(shape) == "compiled" else "sdpa"
-    else:
-        prefill_ran = "amx-kernel" if cpu_prefill.kernel_status("bf16").get(shape) == "compiled" else "sdpa"
+    dtype, kernel = ("fp32", "c-kernel") if fp32 else ("bf16", "amx-kernel")
+    decode = kernel if cpu_decode.kernel_status(dtype).get(shape) == "compiled" else "sdpa"
+    prefill_ran = kernel if cpu_prefill.kernel_status(dtype).get(shape) == "compiled" else "sdpa"
     return {"decode_attention": decode, "prefill_attention": prefill_ran if prefill else "-"}
 
 

@@ -1,8 +1,8 @@
-"""Build and load the CPU kernels (cpu_decode.c, cpu_prefill.c, cpu_prefill_amx.c) on first use.
+"""Build and load the CPU kernels (cpu_decode.c, cpu_decode_amx.c, cpu_prefill.c, cpu_prefill_amx.c) on first use.
 
 Each kernel is compiled with the machine's C compiler (``$CC`` or ``cc``; -O3 -march=native) into
 ``$TRANSMLA_CACHE/kernels`` (default ~/.cache/transmla/kernels), once per shape (its -D defines)
-and source version (the source and the shared header are hashed into the file name), atomically
+and source version (the source and the shared headers are hashed into the file name), atomically
 (a half-written library is never loaded), and loaded with ctypes (a call releases the GIL).
 Without a compiler, or when the build fails, ``load_kernel`` returns None with the reason in
 ``STATUS`` and callers keep PyTorch's SDPA: the kernels are optimisations, never requirements.
@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["ENV_OFF", "STATUS", "build", "enabled", "fits", "load_kernel", "pool"]
 
-HEADER = Path(__file__).with_name("cpu_vector.h")
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # cpu_vector.h, cpu_amx.h
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 ENV_OFF = "TRANSMLA_CPU_KERNEL"
 STATUS: dict[tuple, str] = {}  # {(kernel, *shape): "compiled" or "unavailable: why"}
@@ -56,7 +56,7 @@ def build(source: Path, stem: str, defines: tuple[str, ...]) -> Path:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
-    text = source.read_bytes() + HEADER.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     key = hashlib.sha256(text + " ".join(FLAGS + defines + (compiler, platform.machine())).encode())
     target = _cache_dir() / f"{stem}_{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -65,7 +65,7 @@ def build(source: Path, stem: str, defines: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, f"-I{HEADER.parent}", *defines, str(source), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *FLAGS, f"-I{source.parent}", *defines, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]

@@ -21,19 +21,8 @@
  * Compiled by cpu_prefill.py on first use (-O3 -march=native), once per shape; the build fails (and
  * callers keep PyTorch's SDPA) where the CPU lacks AMX-BF16 or AVX512-BF16.
  */
-#define _GNU_SOURCE
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 
-
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
-#error "needs AMX-BF16 and AVX512-BF16"
-#endif
 #ifndef H
 #error "define H (query heads), W (row width) and DC (value width)"
 #endif
@@ -45,30 +34,9 @@
 #define WP ((W + 31) / 32 * 32)    /* row width padded to AMX's depth of 32 bf16 */
 #define WS (WP / 32)               /* depth steps of the scores */
 #define CT (DC / 16)               /* column tiles of the value (DC % 16 == 0 is checked by the caller) */
-#define PAIRS 512                  /* bf16 in one packed B tile: 16 pair rows x 16 columns x 2 */
 
-typedef uint16_t bf16;
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux hands out AMX state only to processes that ask: 0 when granted (oneDNN asks too). */
-int mla_prefill_amx_permit(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
-
-static void configure_tiles(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* Linux hands out AMX state only to processes that ask: 0 when granted. */
+int mla_prefill_amx_permit(void) { return amx_permit(); }
 
 /* Packed per key block k (keys beyond S are zero):
  *   keys   kp + k * WS * 4 * PAIRS: [WS][4 key groups][16 dim pairs][16 keys][2]
@@ -91,24 +59,6 @@ void mla_prefill_amx_pack(const bf16 *rows, long batch_stride, long B, long S, b
                 }
             }
         }
-}
-
-/* Round 16 floats to bf16 (to nearest even) into dst. */
-static inline void store_bf16(bf16 *dst, __m512 x) { _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(x)); }
-
-/* 2^x for x <= 0 (-inf included): x = n + f, n the nearest integer, 2^f on [-0.5, 0.5] by a degree-4
- * polynomial (fitted here for relative error: 2.6e-6, far below the bf16 rounding of the probabilities
- * it makes), times 2^n by vscalefps, which flushes to 0 below the smallest float (x clamped at -200). */
-static inline __m512 exp2_bf(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(9.570100345e-03f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786653e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402474433e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217909e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847e-01f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The online softmax of one tile's 16 rows of KB scores (s, fp32, row stride KB; rows listed in
@@ -225,7 +175,7 @@ int mla_prefill_amx(const bf16 *q, const bf16 *kp, const bf16 *vp, long T, long 
     bf16 pbuf[16 * KB] __attribute__((aligned(64)));
     float run_max[MP], run_sum[MP];
     int vis[MP];
-    configure_tiles();
+    configure_tiles(0);
     const long nqb = (T + QB - 1) / QB;
     for (long qb = first; qb < nqb; qb += step) {
         const long t0 = qb * QB;

@@ -7,9 +7,10 @@ dropped. With key = value = rows every operand has the same width, so PyTorch's 
 (flash) SDPA kernel on the CPU takes it: scores, softmax and the output product in one pass
 over the cache, nothing of size S materialised per head, fp32 or bf16.
 
-One new token per sequence in fp32 on the CPU without a mask (decode) goes to the C kernel of
-cpu_decode.py when it is built (about a third less time than SDPA here, kernels/NOTES.md), and
-many (prefill) to the one of cpu_prefill.py (value product on the d_c value columns only).
+One new token per sequence on the CPU without a mask (decode) goes to a kernel of cpu_decode.py
+when it is built (fp32: about a third less time than SDPA here; bf16 on AMX tiles: 2.5-3x less,
+kernels/NOTES.md), and many (prefill) to one of cpu_prefill.py (value product on the d_c value
+columns only).
 Otherwise, layouts: a few queries without a mask fold the T*H query rows of a sequence into one
 "head" of length T*H against the one KV head, so the cache of a sequence is read once for all
 heads. Many queries (prefill) or a padding mask: H query heads against one KV head
