@@ -11,6 +11,8 @@ from transmla.checkpoint.resolve import load_config
 from transmla.eval.generate_bench import bench_generate, find_recorded_source
 from transmla.mla.packed_linear import onednn_linear_available
 
+from test_cpu_decode_kernel import HAS_AMX
+
 B, T, N = 2, 16, 4  # batch, context, new tokens: small and fast
 
 ROW_FIELDS = {
@@ -73,6 +75,10 @@ def test_lossless_against_source(tiny):
     assert mla["decode_attention"] == mla["prefill_attention"] == ("c-kernel" if fits else "sdpa")
     for src in (dynamic, static):
         assert src["decode_attention"] == src["prefill_attention"] == "stock"
+    bf16 = bench_generate(str(tiny["lossless"]), str(tiny["src"]), batch=B, context=T, new_tokens=N, device="cpu",
+                          dtype="bf16", repeats=1, source_caches=("static",))["rows"][0]
+    amx = fits and HAS_AMX and load_config(tiny["lossless"]).num_attention_heads <= 16  # the AMX kernels (bf16)
+    assert bf16["decode_attention"] == bf16["prefill_attention"] == ("amx-kernel" if amx else "sdpa")
     best = max((dynamic, static), key=lambda r: r["decode_tokens_per_second"])
     assert mla["source_cache"] == best["cache"]
     assert mla["speedup_vs_source"] == mla["decode_tokens_per_second"] / best["decode_tokens_per_second"]
