@@ -139,7 +139,7 @@ def _keep_sdpa_decode(results: dict, name: str) -> None:
     `history_sdpa_decode` when its setting is run again (the first such row is kept)."""
     old = results["settings"].get(name)
     if (old and old["dtype"] == "bf16" and old.get("linears") == "packed"
-            and old["rows"][0].get("decode_attention") == "sdpa"):
+            and old["rows"][0].get("decode_attention", "sdpa") == "sdpa"):  # rows before the field: SDPA
         results.setdefault("history_sdpa_decode", {}).setdefault(name, old)
 
 
