@@ -217,9 +217,14 @@ def _plot(rows: list[dict], stem: str) -> None:
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["budget"], r["dtype"], r["batch"]), []).append(r)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    for ax, ((budget, dtype, batch), rs) in zip(axes[0], sorted(groups.items())):
+        if not r["name"].endswith("-prefill"):  # the long prefill settings repeat a decode context of the grid
+            groups.setdefault((r["budget"], r["dtype"], r["batch"]), []).append(r)
+    cols = min(4, len(groups))
+    fig, axes = plt.subplots(-(-len(groups) // cols), cols, figsize=(4.2 * cols, 3.6 * -(-len(groups) // cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, ((budget, dtype, batch), rs) in zip(axes.flat, sorted(groups.items())):
         by_linears: dict[str, list[dict]] = {}
         for r in sorted(rs, key=lambda r: r["context"]):
             by_linears.setdefault(r.get("linears", "plain"), []).append(r)
