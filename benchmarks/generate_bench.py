@@ -193,6 +193,17 @@ def write_report(results: dict, stem: str = STEM) -> None:
             src = min(x["prefill_seconds"] for x in r["rows"][1:] if x["prefill_seconds"])
             lines.append(f"| {name} | {mla['prefill_seconds']:.1f} | {src:.1f} | {mla['prefill_ratio_vs_source']:.2f} "
                          f"| {env['load_average']} -> {env['load_average_after']} |")
+    alone = results.get("runs_alone", {})
+    if alone:
+        lines += ["", "Single runs alone on the CPU (`transmla bench generate ... --repeats 1 --threads 1`, nothing else "
+                      "running; the command is in each run's JSON entry), to check a ratio measured under load:", "",
+                  "| run | prefill MLA s | prefill source s | prefill ratio | MLA tok/s | source tok/s | load |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in alone.items():
+            mla, src, env = r["rows"][0], r["rows"][1], r["environment"]
+            lines.append(f"| {name} | {_ratio(mla['prefill_seconds'], '.1f')} | {_ratio(src['prefill_seconds'], '.1f')} "
+                         f"| {_ratio(mla.get('prefill_ratio_vs_source'))} | {mla['decode_tokens_per_second']:.2f} "
+                         f"| {src['decode_tokens_per_second']:.2f} | {env['load_average']} -> {env['load_average_after']} |")
     history = results.get("history_sdpa_decode", {})
     if history:
         lines += ["", "bf16 decode before the AMX decode kernel (MLA decode attention in PyTorch's fused SDPA, "
