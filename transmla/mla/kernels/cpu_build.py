@@ -26,7 +26,8 @@ import torch
 
 __all__ = ["ENV_OFF", "STATUS", "build", "enabled", "fits", "load_kernel", "pool"]
 
-HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # cpu_vector.h, cpu_amx.h
+KERNEL_DIR = Path(__file__).parent  # the kernels' sources and the headers they include
+HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # cpu_vector.h, cpu_amx.h
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 ENV_OFF = "TRANSMLA_CPU_KERNEL"
 STATUS: dict[tuple, str] = {}  # {(kernel, *shape): "compiled" or "unavailable: why"}
@@ -65,7 +66,7 @@ def build(source: Path, stem: str, defines: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, f"-I{source.parent}", *defines, str(source), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *FLAGS, f"-I{KERNEL_DIR}", *defines, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or [f"exit {done.returncode}"]
