@@ -182,42 +182,42 @@ def write_report(results: dict, stem: str = STEM) -> None:
             f"| {_ratio(mla.get('prefill_ratio_vs_source'))} | {mla['cache_bytes'] / 1e6:.1f} "
             f"| {src['cache_bytes'] / 1e6:.1f} | {env['load_average']} -> {env['load_average_after']} |"
         )
-    history = results.get("history_sdpa_prefill", {})
-    if history:
-        lines += ["", "Prefill before the prefill kernels (MLA prefill attention in PyTorch's fused SDPA, value 96 "
-                      "wide; fp32 before cpu_prefill.c, bf16 before cpu_prefill_amx.c), the same settings measured "
-                      "earlier:", "",
-                  "| setting | prefill MLA s | prefill source s | prefill ratio | load |", "|---|---|---|---|---|"]
-        for name, r in history.items():
-            mla, env = r["rows"][0], r["environment"]
-            src = min(x["prefill_seconds"] for x in r["rows"][1:] if x["prefill_seconds"])
-            lines.append(f"| {name} | {mla['prefill_seconds']:.1f} | {src:.1f} | {mla['prefill_ratio_vs_source']:.2f} "
-                         f"| {env['load_average']} -> {env['load_average_after']} |")
-    alone = results.get("runs_alone", {})
-    if alone:
-        lines += ["", "Single runs alone on the CPU (`transmla bench generate ... --repeats 1 --threads 1`, nothing else "
-                      "running; the command is in each run's JSON entry), to check a ratio measured under load:", "",
-                  "| run | prefill MLA s | prefill source s | prefill ratio | MLA tok/s | source tok/s | load |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, r in alone.items():
-            mla, src, env = r["rows"][0], r["rows"][1], r["environment"]
-            lines.append(f"| {name} | {_ratio(mla['prefill_seconds'], '.1f')} | {_ratio(src['prefill_seconds'], '.1f')} "
-                         f"| {_ratio(mla.get('prefill_ratio_vs_source'))} | {mla['decode_tokens_per_second']:.2f} "
-                         f"| {src['decode_tokens_per_second']:.2f} | {env['load_average']} -> {env['load_average_after']} |")
-    history = results.get("history_sdpa_decode", {})
-    if history:
-        lines += ["", "bf16 decode before the AMX decode kernel (MLA decode attention in PyTorch's fused SDPA, "
-                      "cpu_decode_amx.c since the session of 2026-11-25 19:58), the same settings measured earlier:", "",
-                  "| setting | MLA tok/s | source tok/s | speedup | ideal | speedup / ideal | load |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, r in history.items():
-            mla, env = r["rows"][0], r["environment"]
-            src = next(x for x in r["rows"][1:] if x["cache"] == mla["source_cache"])
-            lines.append(f"| {name} | {mla['decode_tokens_per_second']:.2f} | {src['decode_tokens_per_second']:.2f} "
-                         f"| {mla['speedup_vs_source']:.2f} | {mla['ideal_speedup']:.2f} | {mla['fraction_of_ideal']:.2f} "
-                         f"| {env['load_average']} -> {env['load_average_after']} |")
+    load = lambda env: f"{env['load_average']} -> {env['load_average_after']}"
+    best_prefill = lambda r: min(x["prefill_seconds"] for x in r["rows"][1:] if x["prefill_seconds"])
+    same_cache = lambda r: next(x for x in r["rows"][1:] if x["cache"] == r["rows"][0]["source_cache"])
+    lines += _side_table(
+        "Prefill before the prefill kernels (MLA prefill attention in PyTorch's fused SDPA, value 96 wide; fp32 "
+        "before cpu_prefill.c, bf16 before cpu_prefill_amx.c), the same settings measured earlier:",
+        ["setting", "prefill MLA s", "prefill source s", "prefill ratio", "load"], results.get("history_sdpa_prefill", {}),
+        lambda r: [f"{r['rows'][0]['prefill_seconds']:.1f}", f"{best_prefill(r):.1f}",
+                   f"{r['rows'][0]['prefill_ratio_vs_source']:.2f}", load(r["environment"])])
+    lines += _side_table(
+        "Single runs alone on the CPU (`transmla bench generate ... --repeats 1 --threads 1`, nothing else running; "
+        "the command is in each run's JSON entry), to check a ratio measured under load:",
+        ["run", "prefill MLA s", "prefill source s", "prefill ratio", "MLA tok/s", "source tok/s", "load"],
+        results.get("runs_alone", {}),
+        lambda r: [_ratio(r["rows"][0]["prefill_seconds"], ".1f"), _ratio(r["rows"][1]["prefill_seconds"], ".1f"),
+                   _ratio(r["rows"][0].get("prefill_ratio_vs_source")), f"{r['rows'][0]['decode_tokens_per_second']:.2f}",
+                   f"{r['rows'][1]['decode_tokens_per_second']:.2f}", load(r["environment"])])
+    lines += _side_table(
+        "bf16 decode before the AMX decode kernel (MLA decode attention in PyTorch's fused SDPA, cpu_decode_amx.c "
+        "since the session of 2026-11-25 19:58), the same settings measured earlier:",
+        ["setting", "MLA tok/s", "source tok/s", "speedup", "ideal", "speedup / ideal", "load"],
+        results.get("history_sdpa_decode", {}),
+        lambda r: [f"{r['rows'][0]['decode_tokens_per_second']:.2f}", f"{same_cache(r)['decode_tokens_per_second']:.2f}",
+                   f"{r['rows'][0]['speedup_vs_source']:.2f}", f"{r['rows'][0]['ideal_speedup']:.2f}",
+                   f"{r['rows'][0]['fraction_of_ideal']:.2f}", load(r["environment"])])
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, stem)
+
+
+def _side_table(caption: str, columns: list[str], runs: dict, cells) -> list[str]:
+    """A captioned Markdown table below the main one, a line per run of ``runs`` ({name: run}): its name,
+    then ``cells(run)``; nothing when there are no runs."""
+    if not runs:
+        return []
+    return ["", caption, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *(f"| {name} | " + " | ".join(cells(r)) + " |" for name, r in runs.items())]
 
 
 def _plot(rows: list[dict], stem: str) -> None:
