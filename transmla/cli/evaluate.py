@@ -1,4 +1,5 @@
-"""transmla eval: perplexity and KV cache of a model, alone or against its source, with a report."""
+"""transmla eval: perplexity and KV cache of a model (or passkey retrieval, --task passkey), alone or
+against its source, with a report."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from rich.table import Table
 
 from ..eval.report import compare_rows, write_compare_report
 from ..eval.evaluate import compare_report, evaluate_model
+from ..eval.passkey import PasskeySettings
 from ..eval.settings import EvalSettings
 from ..progress import stderr_console
 from .common import JsonFlag, emit, stdout
-from .options import schema_flags, with_flags
+from .options import merge_flags, schema_flags, with_flags
 
 Opt = typer.Option
 
@@ -23,11 +25,23 @@ def evaluate(
     model: Annotated[str, typer.Argument(help="Local folder, .gguf, hub id, a built-in name (smollm2-135m, qwen2.5-coder-1.5b), or a converted model.")],
     compare: Annotated[str | None, Opt(help="Also evaluate this (source) model under the same protocol; one table.")] = None,
     report: Annotated[Path | None, Opt(help="Write report.json, report.md and PNG plots into this folder.")] = None,
+    task: Annotated[str, Opt(help="perplexity | passkey (a 5-digit key hidden in filler text, found or not by "
+                                  "the greedy answer, per prompt length x depth).")] = "perplexity",
     *,
     as_json: JsonFlag = False,
     settings: dict,
 ) -> None:
-    """Token-level perplexity, exp(mean NLL), over windows of the evaluation text, and the KV cache."""
+    """Token-level perplexity, exp(mean NLL), over windows of the evaluation text, and the KV cache;
+    or passkey retrieval (--task passkey)."""
+    passkey = {k: settings.pop(k) for k in PASSKEY_FIELDS}
+    if task == "passkey":
+        return _passkey(model, compare, report, as_json, EvalSettings(**settings | {"measure_tokens": 0}),
+                        PasskeySettings(**{k: v for k, v in passkey.items() if v is not None}))
+    if task != "perplexity":
+        raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
+    given = [k for k, v in passkey.items() if v is not None]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to --task passkey only")
     if settings["measure_tokens"] is None:
         settings["measure_tokens"] = 64 if (compare or report) else 0
     settings = EvalSettings(**settings)
@@ -76,10 +90,44 @@ def evaluate(
         stderr_console.print(f"[dim]report written to {report}: {', '.join(Path(p).name for p in files.values())}[/dim]")
 
 
-# The protocol's flags; --measure-cache defaults to 64 with --compare/--report, else 0.
+def _passkey(model: str, compare: str | None, report: Path | None, as_json: bool, settings: EvalSettings,
+             passkey: PasskeySettings) -> None:
+    """transmla eval --task passkey: the cells of the model (and its source), a table, the report."""
+    from ..eval.passkey import evaluate_passkey, passkey_rows, write_passkey_report
+    from ..eval.report import command_line, environment
+
+    dtype = settings.torch_dtype()
+    entries = []
+    for spec, role in ([(compare, "source")] if compare else []) + [(model, "converted" if compare else "model")]:
+        entries.append(evaluate_passkey(spec, passkey, dtype=dtype, device=settings.device, role=role,
+                                        progress=settings.progress))
+    result = {"task": "passkey", "settings": passkey.to_dict(), "dtype": settings.dtype, "models": entries,
+              "environment": environment(), "command": command_line()}
+    files = write_passkey_report(result, report) if report else {}
+    if files:
+        result["report_files"] = {k: str(v) for k, v in files.items()}
+    if as_json:
+        emit(result, True, "")
+    else:
+        header, rows = passkey_rows(entries)
+        table = Table(title="transmla eval --task passkey", caption="found / keys per prompt length x key depth "
+                      "(greedy answer through the model's cache); s: seconds per cell", caption_justify="left")
+        for i, h in enumerate(header):
+            table.add_column(h, style="bold" if i < 2 else None)
+        for r in rows:
+            table.add_row(*r)
+        stdout.print(table)
+    if files:
+        stderr_console.print(f"[dim]report written to {report}: {', '.join(Path(p).name for p in files.values())}[/dim]")
+
+
+# The protocol's flags; --measure-cache defaults to 64 with --compare/--report, else 0. The passkey
+# flags default to None (not given): --task perplexity refuses them, --task passkey fills in its defaults.
 EVAL_FLAGS = [
     dataclasses.replace(f, type=int | None, default=None, help=f.help.replace(
         "(0: skip)", "(default: 64 with --compare/--report, else 0)")) if f.name == "measure_tokens" else f
     for f in schema_flags(EvalSettings)
 ]
-evaluate = with_flags(evaluate, EVAL_FLAGS)
+PASSKEY_FLAGS = schema_flags(PasskeySettings, unset_default=True)
+PASSKEY_FIELDS = [f.name for f in PASSKEY_FLAGS]
+evaluate = with_flags(evaluate, merge_flags(EVAL_FLAGS, PASSKEY_FLAGS))
