@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean llama-cpp qwen2
+.PHONY: setup demo test clean llama-cpp qwen2 gpu-prep gpu-check gpu-dry-run
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,19 @@ qwen2: setup
 
 test: setup llama-cpp
 	$(PY) -m pytest -q
+
+# The GPU check (tools/gpu_check.py, issue 38). gpu-prep runs here and writes .gpu/ (the wheels the
+# device machine lacks, SmolLM2's config and tokenizer); gpu-check runs on the device machine, with .gpu
+# carried, its system python3 and no venv; gpu-dry-run runs every stage here on the CPU with tiny shapes.
+gpu-prep: setup
+	$(PY) tools/gpu_check.py --prepare
+
+gpu-check:
+	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/transmla-site .gpu/wheels/*.whl
+	PYTHONPATH=/tmp/transmla-site python3 tools/gpu_check.py --out $${OUT:-out/gpu-check}
+
+gpu-dry-run: gpu-prep
+	$(PY) tools/gpu_check.py --dry-run --out out/gpu-dry-run
 
 clean:
 	rm -rf out .cache
