@@ -1,0 +1,185 @@
+"""Passkey retrieval (issue 34) on the built-in SmolLM2-135M and its TransMLA conversions at 50% and 25%.
+
+Each model runs `transmla eval MODEL --task passkey --lengths N --depths 10,50,90 --keys 3 --seed 0 --json`
+as a user runs it (one process per model and length, so a later run can add a length): a random 5-digit
+key stated once inside the built-in wiki/lee evaluation prose, at 10/50/90% of prompts of N tokens,
+asked for at the end, found when the greedy answer through the model's own cache (the latent cache and
+the CPU kernels for the conversions) holds it. The conversions are the CLI defaults,
+`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.5` (and 0.25), kept under
+out/passkey/ and reused when present (timed with /usr/bin/time when this script makes them; one at a
+time, never in parallel).
+
+    .venv/bin/python -m benchmarks.passkey                   # 1K, 2K, 4K (the cells not yet in the JSON)
+    .venv/bin/python -m benchmarks.passkey --lengths 8K      # add 8K
+    .venv/bin/python -m benchmarks.passkey --only source     # some models only
+    .venv/bin/python -m benchmarks.passkey --report          # only rewrite the Markdown and the plot
+
+Writes benchmarks/results/passkey_smollm2.{json,md,png}, with the CPU (lscpu's model name) and the load
+average before and after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from transmla.eval.passkey import parse_lengths, passkey_rows, plot_passkey
+
+from .common import RESULTS, ROOT, TRANSMLA, ResultCache, log, machine, measured, timed
+
+OUT = ROOT / "out" / "passkey"
+STEM = "passkey_smollm2"
+JSON_PATH = RESULTS / f"{STEM}.json"
+MODEL = "smollm2-135m"
+DEPTHS = "10,50,90"
+KEYS = 3
+SEED = 0
+DEFAULT_LENGTHS = "1K,2K,4K"
+CONTEXT = 8192  # SmolLM2's max_position_embeddings
+MODELS = {  # role -> kv budget (None: the source)
+    "source": None,
+    "transmla 50%": 0.5,
+    "transmla 25%": 0.25,
+}
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
+
+
+def convert_command(budget: float, out: Path) -> list[str]:
+    return [str(TRANSMLA), "convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget)]
+
+
+def converted(budget: float, cache: ResultCache) -> Path:
+    """The CLI-default conversion at `budget`, made (timed) unless out/passkey holds it already."""
+    out = OUT / f"transmla-{round(budget * 100)}"
+    log_file = OUT / f"transmla-{round(budget * 100)}.log"
+    key = f"convert/{budget:g}"
+    if not (out / "config.json").is_file():
+        OUT.mkdir(parents=True, exist_ok=True)
+        log(f"converting at {budget:g}: {' '.join(convert_command(budget, out))}")
+        cache.results[key] = timed(convert_command(budget, out), log_file)
+        cache.save()
+    elif key not in cache.results and log_file.is_file() and "Elapsed (wall clock)" in log_file.read_text():
+        cache.results[key] = measured(log_file)  # made by hand with the same command under /usr/bin/time -v
+        cache.save()
+    if key in cache.results:
+        cache.results[key]["command"] = " ".join(["transmla", *convert_command(budget, Path("OUT"))[1:]])
+    return out
+
+
+def run_length(spec: str, length: int) -> dict:
+    """One model at one prompt length: the CLI's JSON entry, with the load around it."""
+    cmd = [str(TRANSMLA), "eval", spec, "--task", "passkey", "--lengths", str(length), "--depths", DEPTHS,
+           "--keys", str(KEYS), "--seed", str(SEED), "--json"]
+    before, start, cpu = os.getloadavg(), time.perf_counter(), os.times()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    after = os.times()
+    (entry,) = json.loads(proc.stdout)["models"]
+    return entry | {"wall_s": round(time.perf_counter() - start, 1), "load_before": before, "load_after": os.getloadavg(),
+                    "cpu_s": round(after.children_user + after.children_system - cpu.children_user - cpu.children_system, 1)}
+
+
+def run(lengths: list[int], roles: list[str]) -> dict:
+    cache = ResultCache(JSON_PATH)
+    cache.results["cpu"] = cpu_name()
+    cache.results["machine"] = machine()
+    specs = {role: MODEL if budget is None else str(converted(budget, cache)) for role, budget in MODELS.items()
+             if role in roles}
+    for length in lengths:
+        for role, spec in specs.items():
+            key = f"{role}/{length}"
+            if key not in cache.results:
+                log(f"{role} at {length} tokens ...")
+                cache.results[key] = run_length(spec, length)
+                cache.save()
+                entry = cache.results[key]
+                log(f"{key}: {entry['found']}/{entry['keys']} found, " + ", ".join(
+                    f"{c['depth']:g}%: {c['found']}/{c['keys']} in {c['seconds']:.1f} s" for c in entry["cells"]))
+    return cache.results
+
+
+def merged(data: dict, role: str) -> dict | None:
+    """The role's entries of every length, as one passkey entry."""
+    parts = [v for k, v in sorted(data.items(), key=lambda kv: str(kv[0])) if k.startswith(f"{role}/") and isinstance(v, dict)]
+    if not parts:
+        return None
+    cells = sorted((c for p in parts for c in p["cells"]), key=lambda c: (c["length"], c["depth"]))
+    found, keys = sum(c["found"] for c in cells), sum(c["keys"] for c in cells)
+    return {"model": parts[0]["model"], "role": role, "attention": parts[0]["attention"], "cells": cells,
+            "found": found, "keys": keys, "accuracy": found / keys, "seconds": round(sum(c["seconds"] for c in cells), 1)}
+
+
+def report(data: dict) -> None:
+    from transmla.eval.report import _md_table
+
+    entries = [e for e in (merged(data, role) for role in MODELS) if e is not None]
+    png = plot_passkey(entries, RESULTS / f"{STEM}.png")
+    header, rows = passkey_rows(entries)
+    lengths = sorted({c["length"] for c in entries[0]["cells"]})
+    skipped = [n for n in (1024, 2048, 4096, 8192) if n <= CONTEXT and n not in lengths]
+    runs = [v for k, v in data.items() if "/" in k and isinstance(v, dict) and "load_before" in v and "found" in v]
+    loads = [x for r in runs for x in (r["load_before"][0], r["load_after"][0])]
+    env = data["machine"]
+    lines = [
+        "# Passkey retrieval: SmolLM2-135M and its TransMLA conversions (CLI defaults)",
+        "",
+        "Made by `python -m benchmarks.passkey` (issue 34). Each model runs `transmla eval MODEL --task passkey "
+        f"--lengths N --depths {DEPTHS} --keys {KEYS} --seed {SEED} --json`: a random 5-digit key stated once "
+        "(\"The pass key is 41729. Remember it. 41729 is the pass key.\") inside the built-in wiki and lee "
+        "evaluation prose (a different starting paragraph per key), starting at 10/50/90% of a prompt of exactly N "
+        "tokens, asked for at the end (\"What is the pass key? The pass key is\"); found = the greedy 8-token answer, "
+        "through the model's own cache (the latent cache and the CPU kernels for the conversions), holds the key. "
+        "The same seeded keys and filler for every model. fp32.",
+        "",
+        "Models: the source (`smollm2-135m`, GQA, 384 cached elements per token per layer); "
+        + "; ".join(f"{role}: `{data[f'convert/{b:g}']['command']}`" if f"convert/{b:g}" in data else role
+                    for role, b in MODELS.items() if b is not None) + ".",
+        "",
+        "found / keys per cell; s: wall seconds of the cell's 3 prompts (prefill + 8 greedy tokens each).",
+        "",
+        _md_table(header, rows),
+        "",
+        f"![passkey heatmaps]({png.name})",
+        "",
+    ]
+    if skipped:
+        lines += [f"Not measured: {', '.join(f'{n // 1024}K' for n in skipped)} (SmolLM2's context is 8K; not run "
+                  "in this session for time). `python -m benchmarks.passkey --lengths 8K` adds it.", ""]
+    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB" for k, v in data.items()
+            if k.startswith("convert/") and isinstance(v, dict) and "wall_s" in v]
+    if conv:
+        lines += ["Conversions (under /usr/bin/time, shared CPU): " + "; ".join(conv) + ".", ""]
+    lines += [
+        f"Machine: {env['machine']}; CPU {data['cpu']}; Python {env['python']}, torch {env['torch']}, transformers "
+        f"{env['transformers']}; {env['date']}. Load average (1 min) around the runs: {min(loads):.2f} to "
+        f"{max(loads):.2f} on {os.cpu_count()} cores (the CPU was shared: seconds are wall time under that load).",
+        "",
+    ]
+    (RESULTS / f"{STEM}.md").write_text("\n".join(lines))
+    log(f"wrote {RESULTS / f'{STEM}.md'} and {png.name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths, K = 1024 (default 1K,2K,4K)")
+    parser.add_argument("--only", default=",".join(MODELS), help=f"comma-separated roles (default: all of {', '.join(MODELS)})")
+    parser.add_argument("--report", action="store_true", help="only rewrite the Markdown and the plot")
+    args = parser.parse_args()
+    roles = [r.strip() for r in args.only.split(",")]
+    if unknown := [r for r in roles if r not in MODELS]:
+        parser.error(f"unknown role {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    data = ResultCache(JSON_PATH).results if args.report else run(parse_lengths(args.lengths), roles)
+    report(data)
+
+
+if __name__ == "__main__":
+    main()
