@@ -93,14 +93,13 @@ def evaluate(
 def _passkey(model: str, compare: str | None, report: Path | None, as_json: bool, settings: EvalSettings,
              passkey: PasskeySettings) -> None:
     """transmla eval --task passkey: the cells of the model (and its source), a table, the report."""
-    from ..eval.passkey import evaluate_passkey, passkey_rows, write_passkey_report
+    from ..eval.passkey import evaluate_passkey, passkey_lengths, passkey_rows, write_passkey_report
     from ..eval.report import command_line, environment
 
-    dtype = settings.torch_dtype()
-    entries = []
-    for spec, role in ([(compare, "source")] if compare else []) + [(model, "converted" if compare else "model")]:
-        entries.append(evaluate_passkey(spec, passkey, dtype=dtype, device=settings.device, role=role,
-                                        progress=settings.progress))
+    runs = ([(compare, "source")] if compare else []) + [(model, "converted" if compare else "model")]
+    lengths = [passkey_lengths(spec, passkey) for spec, _ in runs]  # every length checked before any model loads
+    entries = [evaluate_passkey(spec, passkey, dtype=settings.torch_dtype(), device=settings.device, role=role,
+                                progress=settings.progress, lengths=n) for (spec, role), n in zip(runs, lengths)]
     result = {"task": "passkey", "settings": passkey.to_dict(), "dtype": settings.dtype, "models": entries,
               "environment": environment(), "command": command_line()}
     files = write_passkey_report(result, report) if report else {}

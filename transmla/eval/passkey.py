@@ -40,6 +40,7 @@ __all__ = [
     "greedy_answerer",
     "parse_depths",
     "parse_lengths",
+    "passkey_lengths",
     "passkey_markdown",
     "plot_passkey",
     "run_passkey",
@@ -269,22 +270,34 @@ def run_passkey(answer: Answerer, tokenizer, settings: PasskeySettings, lengths:
             "seconds": round(sum(r["seconds"] for r in rows), 2)}
 
 
+def passkey_lengths(spec: str | Path, settings: PasskeySettings) -> list[int]:
+    """The prompt lengths for ``spec`` (its config only, no weights): the asked ones, refused past its
+    context, or the defaults up to it."""
+    from ..checkpoint.resolve import load_config
+
+    limit = getattr(load_config(str(spec)), "max_position_embeddings", None)
+    if settings.length_list is None:
+        return default_lengths(limit)
+    if limit is not None and max(settings.length_list) > limit:
+        raise ValueError(f"lengths must fit {spec}'s context of {limit} tokens (max_position_embeddings), "
+                         f"got {max(settings.length_list)}")
+    return settings.length_list
+
+
 def evaluate_passkey(spec: str | Path, settings: PasskeySettings, dtype: torch.dtype = torch.float32,
-                     device: str = "cpu", role: str = "model", progress: bool = True) -> dict[str, Any]:
-    """Load ``spec`` and run the passkey cells on it; lengths over its context are refused."""
+                     device: str = "cpu", role: str = "model", progress: bool = True,
+                     lengths: Sequence[int] | None = None) -> dict[str, Any]:
+    """Load ``spec`` and run the passkey cells on it (``lengths``: default ``passkey_lengths``)."""
     from ..checkpoint.resolve import load_model
 
+    lengths = list(lengths) if lengths is not None else passkey_lengths(spec, settings)
     net, tokenizer = load_model(str(spec), dtype=dtype, device=device)
     try:
-        limit = getattr(net.config, "max_position_embeddings", None)
-        lengths = settings.length_list if settings.length_list is not None else default_lengths(limit)
-        if limit is not None and max(lengths) > limit:
-            raise ValueError(f"lengths must fit {spec}'s context of {limit} tokens (max_position_embeddings), "
-                             f"got {max(lengths)}")
         result = run_passkey(greedy_answerer(net, tokenizer, settings.answer_tokens), tokenizer, settings, lengths,
                              progress=progress, label=f"passkey {role}")
         attention = "MLA" if getattr(net.config, "mla", None) is not None else "MHA/GQA"
-        return {"model": str(spec), "role": role, "attention": attention, "context": limit, "lengths": lengths,
+        return {"model": str(spec), "role": role, "attention": attention,
+                "context": getattr(net.config, "max_position_embeddings", None), "lengths": lengths,
                 "depths": settings.depth_list, **result}
     finally:
         del net
