@@ -365,7 +365,8 @@ def plot_passkey(entries: Sequence[dict[str, Any]], path: Path) -> Path:
     from .report import _pyplot
 
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(entries), figsize=(3.2 + 2.6 * len(entries), 3.4), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(entries), figsize=(3.2 + 2.6 * len(entries), 3.4), dpi=120, squeeze=False,
+                             layout="constrained")
     image = None
     for ax, entry in zip(axes[0], entries):
         lengths, depths, cells = _grid(entry)
