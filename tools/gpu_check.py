@@ -82,7 +82,7 @@ def prepare(dest: Path = PREP) -> None:
     # Versions as the project's venv has them; gensim only for its test_data (found by path, never imported).
     # transformers 5.24: the version the package supports (the machine's own runs the stock export check).
     pins = ["transformers==5.24.0", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-            "typing-extensions==4.16.0", "gguf==0.19.0", "gensim==4.4.0"]
+            "typing-extensions==4.16.0", "gguf==0.19.0", "gensim==4.4.0", "smart-open==7.5.0"]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *pins],
                    check=True)
@@ -304,7 +304,9 @@ def stage_model(ctx: Ctx) -> dict:
     src = build_source(ctx)
     res: dict = dict(source=str(src.name), dry_run=ctx.dry)
     conversions = {"lossless": ["--method", "lossless"],
-                   "transmla-25": ["--method", "transmla", "--kv-budget", "0.25"]}
+                   # exportable shapes (one rope grid in every layer), so the export stage can take it
+                   "transmla-25": ["--method", "transmla", "--kv-budget", "0.25", "--shared-rope"]}
+    conversions = {k: v for k, v in conversions.items() if k in ctx.args.models.split(",")}
     if ctx.dry:
         conversions["transmla-25"] += ["--calib-samples", "4", "--calib-seq-len", "64", "--fit-steps", "2"]
     ids = _text_ids(src, 2, 96 if ctx.dry else 384)
@@ -530,6 +532,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU with tiny shapes (plumbing)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-time budget; later stages are skipped")
     ap.add_argument("--stages", default=",".join(s[0] for s in STAGES), help="comma-separated subset")
+    ap.add_argument("--models", default="lossless,transmla-25", help="conversions of the model stage")
     ap.add_argument("--prepare", action="store_true", help="only write .gpu/ (here, before a device call)")
     args = ap.parse_args(argv)
     if args.prepare:

@@ -224,6 +224,18 @@ def smem_estimate(block_h: int, block_n: int, block_dc: int, block_dr: int, num_
     return ((num_stages - 1) * block_n * row + block_h * row + block_h * block_n) * elem
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). Not triton.cdiv: that is a constexpr function whose wrapper costs
+    ~5 us a call, and choose_num_splits calls it ~200 times per decode step (it was the host floor
+    of a decode step on the GPU: benchmarks/results/gpu_check)."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """Host-side next power of two >= n (n >= 1), like triton.next_power_of_2 without its wrapper."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def choose_num_splits(batch: int, head_blocks: int, rows: int, seq: int, slots: int, block_n: int,
                       token_bytes: int, d_c: int, max_splits: int = 64, min_tokens: int = 256) -> int:
     """Split count minimising a per-SM time model (in bytes moved by one SM): every program of
@@ -232,11 +244,11 @@ def choose_num_splits(batch: int, head_blocks: int, rows: int, seq: int, slots: 
     batch * rows * splits * d_c * 8 bytes (fp32 write + read) spread over the slots. Ties (within
     2%) go to fewer splits. slots = SMs x resident programs per SM."""
     programs = max(batch * head_blocks, 1)
-    hi = max(1, min(max_splits, triton.cdiv(seq, min_tokens)))
+    hi = max(1, min(max_splits, _cdiv(seq, min_tokens)))
     best, best_cost = 1, None
     for ns in range(1, hi + 1):
-        per = triton.cdiv(triton.cdiv(seq, ns), block_n) * block_n
-        cost = triton.cdiv(programs * ns, slots) * per * token_bytes
+        per = _cdiv(_cdiv(seq, ns), block_n) * block_n
+        cost = _cdiv(programs * ns, slots) * per * token_bytes
         if ns > 1:
             cost += batch * rows * ns * d_c * 8 / slots
         if best_cost is None or cost < best_cost * 0.98:
@@ -256,10 +268,10 @@ def default_config(
     Chosen from compile-only register/shared-memory reports for sm_90; not tuned on hardware.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    block_dc = max(16, triton.next_power_of_2(d_c))
-    block_dr = max(16, triton.next_power_of_2(d_r)) if d_r > 0 else 0
+    block_dc = max(16, _next_pow2(d_c))
+    block_dr = max(16, _next_pow2(d_r)) if d_r > 0 else 0
     cap = 32 if (block_dc >= 512 or elem == 4) else 64
-    block_h = min(cap, max(16, triton.next_power_of_2(rows)))
+    block_h = min(cap, max(16, _next_pow2(rows)))
     block_n = 32 if (block_dc >= 512 or elem == 4) else 64
     num_warps = max(4, min(8, block_h * block_dc // 2048))
     if device.type == "cuda" and not INTERPRET:
@@ -275,7 +287,7 @@ def default_config(
             break
     smem = smem_estimate(block_h, block_n, block_dc, block_dr, num_stages, elem)
     per_sm = max(1, min(smem_optin // max(smem, 1), 2 if num_warps <= 4 else 1))
-    head_blocks = triton.cdiv(rows, block_h)
+    head_blocks = _cdiv(rows, block_h)
     num_splits = choose_num_splits(batch, head_blocks, rows, seq, sms * per_sm, block_n,
                                    (d_c + d_r) * elem, d_c)
     return dict(block_h=block_h, block_n=block_n, num_splits=num_splits,
@@ -347,9 +359,9 @@ def mla_decode_triton(
     if cfg["num_splits"] < 1:
         raise ValueError("num_splits must be >= 1")
 
-    block_dc = max(16, triton.next_power_of_2(d_c))
-    block_dr = max(16, triton.next_power_of_2(max(d_r, 1)))
-    head_blocks = triton.cdiv(rows, cfg["block_h"])
+    block_dc = max(16, _next_pow2(d_c))
+    block_dr = max(16, _next_pow2(max(d_r, 1)))
+    head_blocks = _cdiv(rows, cfg["block_h"])
     ns = cfg["num_splits"]
 
     # bf16 tl.dot is wrong in the CPU interpreter: compute the dots in fp32 there
@@ -399,7 +411,7 @@ def mla_decode_triton(
             *lp_strides,
             out.stride(0), out.stride(1), out.stride(2),
             D_C=d_c, BLOCK_DC=block_dc,
-            NUM_SPLITS=ns, BLOCK_S=max(2, triton.next_power_of_2(ns)),
+            NUM_SPLITS=ns, BLOCK_S=max(2, _next_pow2(ns)),
             num_warps=4 if block_dc >= 256 else 2,
         )
     return out
