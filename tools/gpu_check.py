@@ -538,7 +538,7 @@ def main(argv=None) -> int:
     if args.prepare:
         prepare()
         return 0
-    missing = check_prepared()
+    missing = check_prepared(PREP)
     if missing:
         print(f"error: not prepared ({', '.join(missing)}): run `make gpu-prep` first", file=sys.stderr)
         return 2
