@@ -246,7 +246,7 @@ def test_sweep_keep_matches_eval(tiny, cli, tmp_path):
 def test_sweep_bad_arguments(tiny, cli, tmp_path):
     base = ("sweep", tiny["src"], "--out", tmp_path / "o", "--data", tiny["text"], "--seq-len", SEQ)
     code, _, err = cli(*base, "--budgets", "0.5,2")
-    assert code == 1 and "in (0, 1]" in _error_line(err)
+    assert code == 1 and "between 0 and 1" in _error_line(err)
     code, _, err = cli(*base, "--budgets", "half")
     assert code == 1 and "budgets must be numbers" in _error_line(err)
     code, _, err = cli(*base, "--method", "magic")

@@ -18,6 +18,7 @@ from typing import Any
 
 from .checkpoint.files import refuse_symlinks
 from .convert.api import convert as api_convert
+from .convert.budget import check_kv_budget
 from .convert.options import COMMON_SCHEMAS, ConvertOptions
 from .convert.registry import budget_methods, get_method
 from .mla.config import MLAConfig
@@ -31,7 +32,7 @@ __all__ = ["SweepRow", "options_for", "parse_budgets", "sweep", "write_sweep"]
 
 
 def parse_budgets(text: str | Sequence[float]) -> list[float]:
-    """'0.5,0.25,0.125' -> [0.5, 0.25, 0.125]; each in (0, 1]."""
+    """'0.5,0.25,0.125' -> [0.5, 0.25, 0.125]; each in (0, 1) (convert.budget)."""
     items = text if not isinstance(text, str) else [t for t in text.replace(" ", "").split(",") if t]
     out = []
     for t in items:
@@ -39,8 +40,7 @@ def parse_budgets(text: str | Sequence[float]) -> list[float]:
             b = float(t)
         except ValueError:
             raise ValueError(f"budgets must be numbers like 0.5,0.25,0.125, got {t!r}") from None
-        if not 0 < b <= 1:
-            raise ValueError(f"each budget is a fraction of the source cache in (0, 1], got {b:g}")
+        check_kv_budget(b)
         out.append(b)
     if not out:
         raise ValueError("give at least one budget, e.g. --budgets 0.5,0.25,0.125")

@@ -13,13 +13,16 @@ import warnings
 import typer
 
 from ..messages import TransMLAWarning
+from .bench import bench_app  # its kernels (triton) load inside the commands, so it imports without triton
 from .convert import convert
 from .evaluate import evaluate
 from .export import export
+from .finetune import finetune
 from .generate import generate
 from .inspect import inspect
 from .options import flag_message, option_flags
 from .signals import interrupt_on_signals
+from .sweep import sweep
 
 app = typer.Typer(
     name="transmla",
@@ -34,24 +37,9 @@ app.command()(inspect)
 app.command("eval")(evaluate)
 app.command()(generate)
 app.command()(export)
-
-
-def _register_optional() -> None:
-    """Commands whose modules may be absent from a partial install (bench needs triton for its kernel)."""
-    import importlib
-
-    for module, attr, name in (("bench", "bench_app", "bench"), ("sweep", "sweep", "sweep"), ("finetune", "finetune", "finetune")):
-        try:
-            obj = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(obj, typer.Typer):
-            app.add_typer(obj, name=name)
-        else:
-            app.command(name)(obj)
-
-
-_register_optional()
+app.add_typer(bench_app, name="bench")
+app.command("sweep")(sweep)
+app.command("finetune")(finetune)
 
 
 # Libraries whose warnings a CLI user cannot act on; silenced by module name. Our own warnings

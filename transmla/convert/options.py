@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from ..dtypes import pick_device, torch_dtype
+from .budget import check_kv_budget
 from ..schema import option
 
 
@@ -24,15 +25,6 @@ PROPAGATIONS = ("original", "converted")
 # dev32 -8.4% with lee-dev outside its calibration text, held-out code -8.3%, licences -5.4%).
 DEFAULT_CALIB = "wiki=3,lee=1,code=2"
 FORMATS = ("native", "deepseek")
-
-
-def check_kv_budget(kv_budget: float | None) -> None:
-    """A budget that would give no saving is an error (the methods' Options call this)."""
-    if kv_budget is not None and not 0 < kv_budget < 1:
-        raise ValueError(
-            f"kv_budget is the fraction of the source's KV cache to keep, between 0 and 1 (exclusive), "
-            f"got {kv_budget}; method lossless keeps all of it"
-        )
 
 
 @dataclass

@@ -7,11 +7,11 @@ latent (R = kv_lora_rank) and the kept rope pairs of every key head (P = rope_pa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ...families import AttentionGeometry
 from ...messages import warn as warn_user
+from ..budget import budget_elements
 
 PUBLISHED_PAIRS_PER_HEAD_DIM = 16  # the paper keeps P = d/16 pairs (4 for d = 64, 8 for d = 128)
 
@@ -26,9 +26,7 @@ def mha2mla_budget(source_kv_elements: int, fraction: float, num_kv_heads: int, 
 
     R = floor(fraction * source) - g*2P. Raises ValueError when nothing is left for the latent.
     """
-    if not isinstance(fraction, (int, float)) or not math.isfinite(fraction) or fraction <= 0:
-        raise ValueError(f"kv_budget must be a fraction of the source cache in (0, 1], got {fraction!r}")
-    total = math.floor(fraction * source_kv_elements + 1e-9)
+    total = budget_elements(fraction, source_kv_elements)
     rope = num_kv_heads * 2 * rope_pairs
     rank = total - rope
     if rank < 1:

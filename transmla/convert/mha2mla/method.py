@@ -15,7 +15,7 @@ from ...families import AttentionGeometry
 from ..layers import MLALayer, SourceAttention
 from ..method import ConversionMethod, StatsNeeds
 from ...schema import option
-from ..options import check_kv_budget
+from ..budget import check_kv_budget
 from ..replicate import replicate
 from .budget import MHA2MLAShape, resolve_shape
 from .partial_rope import STRATEGIES, key_latent_dims, partial_rope, select_pairs

@@ -10,14 +10,13 @@ unchanged.
 from __future__ import annotations
 
 from ...messages import warn
+from ..budget import budget_elements
 
 
 def transmla_budget(source_kv_elements: int, fraction: float, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
     """(R, r) for a cache of `fraction` of the source's: r = the largest whole number of pairs
     within a third of the budget and within half a head, R = the rest (capped at what the layer can use)."""
-    if not fraction > 0:
-        raise ValueError(f"kv_budget must be a positive fraction of the source cache, got {fraction}")
-    budget = int(round(fraction * source_kv_elements))
+    budget = budget_elements(fraction, source_kv_elements)
     if budget < 3:
         raise ValueError(f"kv_budget {fraction} leaves {budget} cached elements per token; TransMLA needs at least 3")
     full = 2 * num_kv_heads * head_dim

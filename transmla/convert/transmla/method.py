@@ -27,7 +27,7 @@ from ..layers import MLALayer, SourceAttention
 from ..lowrank import with_bias_column
 from ..method import ConversionMethod, StatsNeeds
 from ...schema import option
-from ..options import check_kv_budget
+from ..budget import check_kv_budget
 from .bkv import assemble_layer, attention_metric, identity_latent, joint_pca
 from .budget import transmla_budget, validate_transmla_shape
 from .rorope import (
