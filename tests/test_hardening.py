@@ -154,6 +154,27 @@ def test_truncated_shard_error_names_the_file(cli, tmp_path):
     assert code == 1 and str(shard) in err, err
 
 
+@pytest.mark.parametrize("field, value, tensor, fields", [
+    ("kv_lora_rank", 12, "kv_a_proj.weight", "mla.kv_lora_rank = 12"),
+    ("v_head_dim", 4, "kv_b_proj.weight", "mla.v_head_dim = 4"),
+])
+def test_config_that_disagrees_with_the_weights_names_tensor_shapes_and_field(mla, cli, tmp_path, field, value, tensor, fields):
+    """A converted folder whose config.json was edited by hand: one line with the tensor, both
+    shapes and the config fields behind the expected shape (not transformers' "see the report above")."""
+    import json
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(mla / "mla", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["mla"][field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = cli("eval", folder, "--data", mla / "train.txt", "--seq-len", 16, "--max-windows", 1)
+    line = err.strip().splitlines()[-1]
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"layers.0.self_attn.{tensor} is [" in line and "from config.json" in line and fields in line, line
+
+
 # --- 3. nothing left behind after an interruption ----------------------------------------------
 
 

@@ -88,7 +88,14 @@ def load_lm(spec: str | Path, dtype: torch.dtype | None = torch.float32, device:
     path = resolve_model_dir(spec)
     config = load_config(path)
     family_for(source_model_type(config))  # unsupported architectures fail here, clearly
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except RuntimeError as exc:  # transformers' "look at the above report": name the tensor instead
+        if "mismatched_sizes" not in str(exc):
+            raise
+        from .shapes import describe_shape_mismatch
+
+        raise ValueError(describe_shape_mismatch(path, config)) from None
     return model.to(device).eval()
 
 

@@ -97,12 +97,12 @@ def given(settings: dict[str, Any]) -> dict[str, Any]:
 def flag_message(message: str, fields: dict[str, str]) -> str:
     """`message` with option field names written as flags (kv_lora_rank -> --kv-lora-rank): names
     with an underscore anywhere, one-word names (svd, seed, ...) only where they lead a rule
-    ("svd must be ...", "freqfold does not apply to ..."), so prose keeps its words."""
+    ("svd must be ...", "freqfold does not apply to ..."), so prose keeps its words. A dotted name (mla.kv_lora_rank) is a config path and stays."""
     names = sorted(fields, key=len, reverse=True)
     joined = [n for n in names if "_" in n]
     words = [n for n in names if "_" not in n]
     if joined:
-        pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, joined)) + r")(?![\w-])")
+        pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, joined)) + r")(?![\w-])")
         message = pattern.sub(lambda m: fields[m.group(1)], message)
     if words:
         pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, words)) + r")(?= must | does not apply)")

@@ -11,6 +11,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+# Attention projection (attribute name) -> the MLAConfig fields its weight's shape comes from.
+SHAPE_FIELDS = {
+    "q_proj": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "hidden_size"),
+    "q_a_proj": ("q_lora_rank", "hidden_size"),
+    "q_b_proj": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "q_lora_rank"),
+    "kv_a_proj": ("kv_lora_rank", "qk_rope_head_dim", "hidden_size"),
+    "kv_a_norm": ("kv_lora_rank",),
+    "kv_b_proj": ("num_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"),
+    "o_proj": ("hidden_size", "num_heads", "v_head_dim"),
+}
+
+
 @dataclass
 class MLAConfig:
     num_heads: int
@@ -59,6 +71,11 @@ class MLAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def fields_of(self, module: str) -> dict[str, Any]:
+        """The config fields that set the shape of an attention projection (its attribute name:
+        q_proj, kv_a_proj, ...), for errors that name them; empty for other modules."""
+        return {f: getattr(self, f) for f in SHAPE_FIELDS.get(module, ())}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MLAConfig":
