@@ -222,3 +222,32 @@ def test_cli_missing_path(tmp_path, cli):
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "no such file or directory" in lines[0], err
+
+
+def test_long_steps_report_where_they_are_also_with_json(tiny, cli, monkeypatch):
+    """Every timed repetition says which model, which step and which repetition it is on stderr, with
+    periodic lines and, after the first repetition, an estimate; --json keeps stdout for the JSON."""
+    import json
+    import time as _time
+
+    import transmla.eval.generate_bench as gb
+
+    monkeypatch.setenv("TRANSMLA_PROGRESS_SECONDS", "0.05")
+    real_run = gb._run
+
+    def slow_run(*args, **kwargs):  # long enough for the periodic lines of a slow machine
+        _time.sleep(0.3)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(gb, "_run", slow_run)
+    code, out, err = cli("bench", "generate", tiny["small"], "--source", tiny["src"], "--batch", 1, "--context", 8,
+                         "--new-tokens", 2, "--device", "cpu", "--repeats", 2, "--source-cache", "static", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["rows"]) == 2
+    lines = err.splitlines()
+    for spec in (tiny["small"], tiny["src"]):
+        first = [x for x in lines if x.startswith(f"{spec}: ") and "repetition 1/2" in x]
+        second = [x for x in lines if x.startswith(f"{spec}: ") and "repetition 2/2" in x]
+        assert "eta ?" in first[0] and first[-1].endswith("done)"), first
+        assert len(first) >= 3, first  # start, at least one periodic line, end
+        assert "eta 0:00:00" in second[0] and second[-1].endswith("done)"), second  # estimated from the first

@@ -8,8 +8,10 @@ lines: one when the loop starts, then at most one every ``TRANSMLA_PROGRESS_SECO
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from rich.console import Console
@@ -86,3 +88,36 @@ def progress_bar(
         for item in items:
             yield item
             bar.advance(task, size(item))
+
+
+@contextmanager
+def heartbeat(description: str, enabled: bool = True, expected_seconds: float | None = None) -> Iterator[None]:
+    """Progress for one long step that has no loop to count (a prefill, a timed repetition): a line
+    when it starts, then one every ``TRANSMLA_PROGRESS_SECONDS`` seconds (default 10) from a
+    background thread, with an estimate when ``expected_seconds`` is known, and one when it ends.
+    The thread only sleeps and prints, so it does not disturb what is being timed."""
+    if not enabled:
+        yield
+        return
+    interval = max(_plain_interval(), 0.05)
+    start = time.monotonic()
+    done = threading.Event()
+
+    def line(state: str) -> None:
+        stderr_console.print(f"{description} ({_clock(time.monotonic() - start)} elapsed, {state})",
+                             highlight=False, soft_wrap=True)
+
+    def beat() -> None:
+        while not done.wait(interval):
+            left = None if expected_seconds is None else expected_seconds - (time.monotonic() - start)
+            line("eta ?" if left is None else f"eta {_clock(left)}" if left > 0 else "longer than the estimate")
+
+    line("eta ?" if expected_seconds is None else f"eta {_clock(expected_seconds)}")
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        line("done")

@@ -127,7 +127,7 @@ def generate(
                                 dtype=dtype, device=device, seed=seed, repeats=repeats, prefill=prefill,
                                 source_caches=tuple(source_cache or SOURCE_CACHES),
                                 beyond_positions=beyond_positions, threads=threads,
-                                progress=not as_json, packed_linears=packed_linears, profile_steps=profile_steps)
+                                progress=True, packed_linears=packed_linears, profile_steps=profile_steps)
     except ValueError as exc:
         _fail(str(exc).strip().splitlines()[0])
     if as_json:

@@ -32,6 +32,7 @@ import torch
 
 from ..dtypes import pick_device, torch_dtype
 from ..mla.latent_cache import cache_kwargs
+from ..progress import heartbeat
 from .kv import cache_bytes
 from .kv import kv_summary
 from .report import environment
@@ -234,13 +235,16 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
         for kind in ("latent",) if mla else source_caches:
             prefills, decodes = [], []
             with torch.inference_mode():
-                _run(model, ids[:, :WARMUP_PROMPT_TOKENS], 1, kind, True, seed)  # untimed warm-up
+                with heartbeat(f"{spec}: warm-up, {kind} cache", progress):
+                    _run(model, ids[:, :WARMUP_PROMPT_TOKENS], 1, kind, True, seed)  # untimed warm-up
                 if device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 for rep in range(repeats):
-                    _status(progress, f"{'prefill' if prefill else 'random fill'} {batch}x{context}, decode "
-                                      f"{new_tokens} steps, {kind} cache ({rep + 1}/{repeats})")
-                    cache, prefill_s, decode_s = _run(model, ids, new_tokens, kind, prefill, seed)
+                    # The first repetition's time estimates the others (the warm-up is too short to).
+                    expected = (prefills[-1] or 0.0) + decodes[-1] if decodes else None
+                    with heartbeat(f"{spec}: {'prefill' if prefill else 'random fill'} {batch}x{context}, decode "
+                                   f"{new_tokens} steps, {kind} cache, repetition {rep + 1}/{repeats}", progress, expected):
+                        cache, prefill_s, decode_s = _run(model, ids, new_tokens, kind, prefill, seed)
                     prefills.append(prefill_s)
                     decodes.append(decode_s)
                     if rep + 1 < repeats:
@@ -251,8 +255,8 @@ def _bench_model(spec: str, batch: int, context: int, new_tokens: int, dtype: st
             if profile_steps:
                 del cache
                 _free(device)
-                _status(progress, f"profiling {profile_steps} decode steps, {kind} cache")
-                with torch.inference_mode():
+                with heartbeat(f"{spec}: profiling {profile_steps} decode steps, {kind} cache", progress), \
+                        torch.inference_mode():
                     row["profile"] = profile_decode(model, ids, profile_steps, kind, seed)
                 cache = None
             row.update(cache=kind, decode_mode="auto" if mla else None, linears=linears or "plain (stock)",
