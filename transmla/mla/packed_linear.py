@@ -2,20 +2,16 @@
 
 A decode step multiplies a few rows (batch x 1 token) by every weight of the model, so it should
 stream the weights at memory bandwidth. `F.linear` on the CPU does not for bf16, nor for fp32 at a
-few rows: it repacks the weight into the GEMM's blocked layout on every call. Measured here (one
-thread, 40 distinct [1536, 576] weights in turn, so they come from DRAM): fp32 at 8 rows 5.7 GB/s
-against 10.0 GB/s prepacked; bf16 at 1 row 3.9 against 10.0, at 8 rows 6.2 against 11.8 (AMX);
-reading the same bytes alone (`sum`) ~15 GB/s. oneDNN's reorder (`torch.ops.mkldnn.
+few rows: it repacks the weight into the GEMM's blocked layout on every call (kernels/NOTES.md
+has the measurements). oneDNN's reorder (`torch.ops.mkldnn.
 _reorder_linear_weight`, what Inductor's CPU freezing uses) packs a weight once; `_linear_pointwise`
 then multiplies with it.
 
 `PackedCPULinear` is an `nn.Linear` (same parameters, state dict and hooks) that takes this path
 only where it pays and changes nothing else: CPU, no autograd (inference or `torch.no_grad`), bf16 at
-any row count, fp32 from FP32_MIN_ROWS to FP32_MAX_ROWS rows. Measured for fp32 (one thread, the
-other core busy; median ms for the 40 weights, F.linear against packed): 1 row 11.0 / 12.4 and 2 rows
-12.2 / 13.1 (F.linear's matrix-vector path already streams), 4 rows 19.7 / 13.1, 8 rows 25.4 / 15.0,
-16 rows 24.3 / 18.3, 64 rows 38 / 52 (compute-bound: the packed call loses). bf16 at 1 to 16 rows:
-9.6-11.2 / 6.8-7.3, and 512 rows 37 / 28. The pack is built on first use and again
+any row count, fp32 from FP32_MIN_ROWS to FP32_MAX_ROWS rows (below, F.linear's matrix-vector
+path already streams; above, the product is compute-bound and the packed call loses: the timings
+behind those bounds are in kernels/NOTES.md). The pack is built on first use and again
 whenever the weight changes (its storage, dtype or in-place version), so training, `.to()` and
 `load_state_dict` need no care. It costs a second copy of each packed weight in memory, so it is
 turned on only for decoding (the MLA model's `generate()`, `transmla bench generate`) and only when

@@ -1,11 +1,10 @@
 """The CPU decode kernels: absorbed MLA attention of one new token; fp32 in cpu_decode.c (portable C),
 bf16 in cpu_decode_amx.c (AMX tiles; built only where the CPU has AMX-BF16).
 
-PyTorch's fused SDPA on the CPU spends ~240 cycles per cached row at B = 8 / 8K on this machine
-(kernels/NOTES.md) where the work is 9 heads x (96 + 64) multiply-adds; the C kernel reads each
-row once into L1 and does the scores, an online softmax and the value product there. In bf16, SDPA
-computes at ~23 GMAC/s on one core (B = 8 / 32K: 480 ms of attention a step); the AMX kernel reads each
-cached row as a tile and does the products on the matrix unit. They are built on first use, once per
+PyTorch's fused SDPA on the CPU is compute-bound on one latent KV head shared by all query heads
+(kernels/NOTES.md has the measurements); the C kernel reads each row once into L1 and does the
+scores, an online softmax and the value product there. In bf16 the AMX kernel reads each cached row
+as a tile and does the products on the matrix unit. They are built on first use, once per
 shape (query rows, row width, value width), by cpu_build.py; without a compiler (or AMX, for bf16), or
 when the build fails, ``decode_kernel`` / ``amx_decode_kernel`` return None once with the reason in
 ``kernel_status`` and callers keep PyTorch's SDPA. ``TRANSMLA_CPU_KERNEL=0`` turns them off.

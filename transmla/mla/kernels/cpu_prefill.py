@@ -9,9 +9,8 @@ each key block among all heads of 16 query tokens. Built on first use, once per 
 width, value width), by cpu_build.py; without a compiler, or when the build fails, ``prefill_kernel``
 returns None with the reason in ``kernel_status`` and callers keep PyTorch's SDPA.
 
-In bf16, PyTorch's SDPA runs on AMX here, yet most of its time at long context is outside the products
-(one layer, one thread, 8K: 250 ms against 170 ms with 16-wide heads); the AMX kernel takes 150 ms, the
-source's 64-wide GQA in SDPA 210 ms (kernels/NOTES.md).
+In bf16, PyTorch's SDPA can run on AMX, yet most of its time at long context is outside the products;
+the AMX kernel does the scores and the value product in tiles (kernels/NOTES.md has the measurements).
 
 Used for: CPU, fp32 or bf16, no autograd, causal without a padding mask (the T queries are the last T
 of the S cached rows), width and value width multiples of 16. With several torch threads the query
