@@ -257,10 +257,11 @@ def test_forced_triton_backend_runs_kernel(monkeypatch):
 _SM90_SCRIPT = r"""
 import json, torch
 from transmla.mla.kernels import triton_decode as td
+from transmla.mla.kernels.triton_compile_report import compile_report
 td._device_limits = lambda index: (132, 227 * 1024)  # H100 SXM: 132 SMs, 227 KiB opt-in smem
 cfg = td.default_config(64, 32, 8192, 512, 64, torch.bfloat16, torch.device("cuda", 0))
 try:
-    rep = td.compile_report(d_c=512, d_r=64, dtype=torch.bfloat16, t_q=1, block_h=cfg["block_h"],
+    rep = compile_report(d_c=512, d_r=64, dtype=torch.bfloat16, t_q=1, block_h=cfg["block_h"],
                             block_n=cfg["block_n"], num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"], num_splits=cfg["num_splits"])
 except (ImportError, FileNotFoundError) as exc:

@@ -1,4 +1,13 @@
-"""Absorbed MLA decode kernels: a Triton split-KV kernel (CUDA) and its PyTorch reference twin.
+"""The MLA attention kernels, one backend per device, each with a PyTorch reference twin.
+
+The map (which module serves which call):
+- CUDA decode: triton_decode.py, a Triton split-KV kernel over separate latent and rope tensors,
+  reached through ``mla_decode`` below (reference.py is its twin);
+- CPU decode and prompts: fused_rows.attend_rows over packed cache rows [c | k_r], which runs the C
+  kernels of cpu_decode.py / cpu_prefill.py (fp32; AMX tiles in bf16 where the CPU has them, built
+  by cpu_build.py on first use) and falls back to PyTorch's SDPA (``TRANSMLA_CPU_KERNEL=0`` forces it);
+- triton_compile_report.py: a development aid (what sm_90 would get), not used at run time.
+NOTES.md records the kernels' designs and measurements.
 
     mla_decode(q_lat, q_rope, latent, rope_key, softmax_scale, seq_lens=None, backend="auto")
 
