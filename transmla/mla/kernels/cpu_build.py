@@ -95,6 +95,23 @@ def load_kernel(key: tuple, source: Path, stem: str, defines: tuple[str, ...], s
     return functions
 
 
+def load_amx_kernel(key: tuple, source: Path, stem: str, defines: tuple[str, ...], symbols: dict[str, tuple],
+                    permit: str):
+    """load_kernel for an AMX kernel, which also asks Linux for the tile state through its ``permit``
+    symbol (arch_prctl ARCH_REQ_XCOMP_PERM, called once here); None when that is refused."""
+    functions = load_kernel(key, source, stem, defines, {permit: (ctypes.c_int, ()), **symbols})
+    if functions is not None and functions[permit]() != 0:
+        STATUS[key] = "unavailable: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        return None
+    return functions
+
+
+def kernel_status(kind: str) -> dict[tuple, str]:
+    """{shape: "compiled" or "unavailable: why"} of every kernel of this kind ("decode", "prefill-bf16",
+    ...) asked for so far in this process."""
+    return {key[1:]: status for key, status in STATUS.items() if key[0] == kind}
+
+
 @functools.lru_cache(maxsize=1)
 def pool(threads: int) -> ThreadPoolExecutor:
     """A thread pool for kernel calls (they release the GIL)."""

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu_build import STATUS, fits, load_kernel, pool
+from . import cpu_build
+from .cpu_build import fits, load_amx_kernel, load_kernel, pool
 
 __all__ = ["AMX_MAX_ROWS", "MAX_ROWS", "amx_decode_kernel", "decode_kernel", "kernel_status", "mla_decode_cpu",
            "supports"]
@@ -53,21 +54,16 @@ def decode_kernel(rows: int, width: int, d_c: int):
 def amx_decode_kernel(rows: int, width: int, d_c: int):
     """The bf16 kernel's function for this shape, or None (reason in kernel_status("bf16")): no AMX-BF16
     in the CPU or compiler, or Linux did not grant the tile state."""
-    key = ("decode-bf16", rows, width, d_c)
-    lib = load_kernel(key, AMX_SOURCE, f"mla_decode_amx_m{rows}_w{width}_dc{d_c}",
-                      (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}"),
-                      {"mla_decode_amx_permit": (ctypes.c_int, ()), "mla_decode_amx": (None, _ARGS)})
-    if lib is not None and lib["mla_decode_amx_permit"]() != 0:
-        STATUS[key] = "unavailable: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        return None
+    lib = load_amx_kernel(("decode-bf16", rows, width, d_c), AMX_SOURCE, f"mla_decode_amx_m{rows}_w{width}_dc{d_c}",
+                          (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}"), {"mla_decode_amx": (None, _ARGS)},
+                          permit="mla_decode_amx_permit")
     return None if lib is None else lib["mla_decode_amx"]
 
 
 def kernel_status(dtype: str = "fp32") -> dict[tuple, str]:
     """{(rows, width, d_c): "compiled" or "unavailable: why"} for every decode shape asked for so far, of
     the fp32 kernel or (dtype "bf16") the AMX one."""
-    kind = "decode" if dtype == "fp32" else "decode-bf16"
-    return {key[1:]: status for key, status in STATUS.items() if key[0] == kind}
+    return cpu_build.kernel_status("decode" if dtype == "fp32" else "decode-bf16")
 
 
 def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu_build import STATUS, fits, load_kernel, pool
+from . import cpu_build
+from .cpu_build import fits, load_amx_kernel, load_kernel, pool
 
 __all__ = ["amx_kernel", "kernel_status", "mla_prefill_cpu", "prefill_kernel", "supports"]
 
@@ -58,23 +59,17 @@ def amx_kernel(heads: int, width: int, d_c: int):
     """{"mla_prefill_amx_pack": fn, "mla_prefill_amx": fn} (bf16) for this shape, or None (reason in
     kernel_status("bf16")): no AMX-BF16 in the CPU or compiler, or Linux did not grant the tile state."""
     p, n = ctypes.c_void_p, ctypes.c_long
-    key = ("prefill-bf16", heads, width, d_c)
-    kernel = load_kernel(key, AMX_SOURCE, f"mla_prefill_amx_h{heads}_w{width}_dc{d_c}",
-                         (f"-DH={heads}", f"-DW={width}", f"-DDC={d_c}"),
-                         {"mla_prefill_amx_permit": (ctypes.c_int, ()),
-                          "mla_prefill_amx_pack": (None, (p, n, n, n, p, p)),
-                          "mla_prefill_amx": (ctypes.c_int, (p, p, p, n, n, ctypes.c_float, p, n, n))})
-    if kernel is not None and kernel["mla_prefill_amx_permit"]() != 0:
-        STATUS[key] = "unavailable: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        return None
-    return kernel
+    return load_amx_kernel(("prefill-bf16", heads, width, d_c), AMX_SOURCE, f"mla_prefill_amx_h{heads}_w{width}_dc{d_c}",
+                           (f"-DH={heads}", f"-DW={width}", f"-DDC={d_c}"),
+                           {"mla_prefill_amx_pack": (None, (p, n, n, n, p, p)),
+                            "mla_prefill_amx": (ctypes.c_int, (p, p, p, n, n, ctypes.c_float, p, n, n))},
+                           permit="mla_prefill_amx_permit")
 
 
 def kernel_status(dtype: str = "fp32") -> dict[tuple, str]:
     """{(heads, width, d_c): "compiled" or "unavailable: why"} for every prefill shape asked for so far,
     of the fp32 kernel or (dtype "bf16") the AMX one."""
-    kind = "prefill" if dtype == "fp32" else "prefill-bf16"
-    return {key[1:]: status for key, status in STATUS.items() if key[0] == kind}
+    return cpu_build.kernel_status("prefill" if dtype == "fp32" else "prefill-bf16")
 
 
 def mla_prefill_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
