@@ -74,21 +74,22 @@ def converted(budget: float, cache: ResultCache) -> Path:
     return out
 
 
-def run_length(spec: str, length: int) -> dict:
+def run_length(spec: str, length: int, threads: int) -> dict:
     """One model at one prompt length: the CLI's JSON entry, with the load around it."""
     cmd = [str(TRANSMLA), "eval", spec, "--task", "passkey", "--lengths", str(length), "--depths", DEPTHS,
            "--keys", str(KEYS), "--seed", str(SEED), "--json"]
     before, start, cpu = os.getloadavg(), time.perf_counter(), os.times()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": str(threads)})
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     after = os.times()
     (entry,) = json.loads(proc.stdout)["models"]
-    return entry | {"wall_s": round(time.perf_counter() - start, 1), "load_before": before, "load_after": os.getloadavg(),
+    return entry | {"threads": threads, "wall_s": round(time.perf_counter() - start, 1), "load_before": before,
+                    "load_after": os.getloadavg(),
                     "cpu_s": round(after.children_user + after.children_system - cpu.children_user - cpu.children_system, 1)}
 
 
-def run(lengths: list[int], roles: list[str]) -> dict:
+def run(lengths: list[int], roles: list[str], threads: int) -> dict:
     cache = ResultCache(JSON_PATH)
     cache.results["cpu"] = cpu_name()
     cache.results["machine"] = machine()
@@ -97,9 +98,9 @@ def run(lengths: list[int], roles: list[str]) -> dict:
     for length in lengths:
         for role, spec in specs.items():
             key = f"{role}/{length}"
-            if key not in cache.results:
-                log(f"{role} at {length} tokens ...")
-                cache.results[key] = run_length(spec, length)
+            if cache.results.get(key, {}).get("threads") != threads:
+                log(f"{role} at {length} tokens, {threads} thread(s) ...")
+                cache.results[key] = run_length(spec, length, threads)
                 cache.save()
                 entry = cache.results[key]
                 log(f"{key}: {entry['found']}/{entry['keys']} found, " + ", ".join(
@@ -116,6 +117,12 @@ def merged(data: dict, role: str) -> dict | None:
     found, keys = sum(c["found"] for c in cells), sum(c["keys"] for c in cells)
     return {"model": parts[0]["model"], "role": role, "attention": parts[0]["attention"], "cells": cells,
             "found": found, "keys": keys, "accuracy": found / keys, "seconds": round(sum(c["seconds"] for c in cells), 1)}
+
+
+def _threads(data: dict) -> str:
+    threads = sorted({v.get("threads") for k, v in data.items() if "/" in k and isinstance(v, dict) and "found" in v},
+                     key=str)
+    return "threads: " + ", ".join(map(str, threads)) + " (OMP_NUM_THREADS of each eval)"
 
 
 def report(data: dict) -> None:
@@ -144,7 +151,8 @@ def report(data: dict) -> None:
         + "; ".join(f"{role}: `{data[f'convert/{b:g}']['command']}`" if f"convert/{b:g}" in data else role
                     for role, b in MODELS.items() if b is not None) + ".",
         "",
-        "found / keys per cell; s: wall seconds of the cell's 3 prompts (prefill + 8 greedy tokens each).",
+        "found / keys per cell; s: wall seconds of the cell's 3 prompts (prefill + 8 greedy tokens each), "
+        f"{_threads(data)}.",
         "",
         _md_table(header, rows),
         "",
@@ -172,12 +180,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths, K = 1024 (default 1K,2K,4K)")
     parser.add_argument("--only", default=",".join(MODELS), help=f"comma-separated roles (default: all of {', '.join(MODELS)})")
+    parser.add_argument("--threads", type=int, default=1, help="torch and kernel threads of each eval (default 1: "
+                        "on a shared 2-core CPU two threads ran the MLA prompts about 5x slower, waiting on each other)")
     parser.add_argument("--report", action="store_true", help="only rewrite the Markdown and the plot")
     args = parser.parse_args()
     roles = [r.strip() for r in args.only.split(",")]
     if unknown := [r for r in roles if r not in MODELS]:
         parser.error(f"unknown role {unknown[0]!r}; choose from {', '.join(MODELS)}")
-    data = ResultCache(JSON_PATH).results if args.report else run(parse_lengths(args.lengths), roles)
+    data = ResultCache(JSON_PATH).results if args.report else run(parse_lengths(args.lengths), roles, args.threads)
     report(data)
 
 
