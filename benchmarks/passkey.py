@@ -162,7 +162,8 @@ def report(data: dict) -> None:
     if skipped:
         lines += [f"Not measured: {', '.join(f'{n // 1024}K' for n in skipped)} (SmolLM2's context is 8K; not run "
                   "in this session for time). `python -m benchmarks.passkey --lengths 8K` adds it.", ""]
-    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB" for k, v in data.items()
+    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB" + (f" ({v['note']})" if v.get("note") else "")
+            for k, v in data.items()
             if k.startswith("convert/") and isinstance(v, dict) and "wall_s" in v]
     if conv:
         lines += ["Conversions (under /usr/bin/time, shared CPU): " + "; ".join(conv) + ".", ""]

@@ -288,3 +288,17 @@ def test_smollm2_source_finds_a_key_at_1k(cli):
     assert code == 0, err
     (entry,) = json.loads(out)["models"]
     assert entry["found"] >= 1, entry["cells"]
+
+
+def test_rows_total_only_the_cells_every_model_has():
+    def cell(n, d, f):
+        return {"length": n, "depth": d, "found": f, "keys": 3, "seconds": 1.0}
+
+    source = {"role": "source", "cells": [cell(1024, 10.0, 3), cell(1024, 90.0, 2), cell(2048, 10.0, 1)]}
+    model = {"role": "model", "cells": [cell(1024, 10.0, 1), cell(1024, 90.0, 0)]}
+    header, rows = pk.passkey_rows([source, model])
+    assert header == ["length", "depth", "source found", "model found", "source s", "model s"]
+    assert rows[0] == ["1K", "10%", "3/3", "1/3", "1.0", "1.0"]
+    assert ["2K", "10%", "1/3", "", "1.0", ""] in rows
+    assert rows[-1] == ["common cells", "", "5/6 (83%)", "1/6 (17%)", "2", "2"]
+    assert pk.passkey_rows([source])[1][-1] == ["all", "", "6/9 (67%)", "3"]

@@ -318,7 +318,8 @@ def _length_label(n: int) -> str:
 
 def passkey_rows(entries: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row per (length, depth): found/keys per model, and the seconds each cell took."""
-    lengths, depths, _ = _grid(entries[0])
+    lengths = sorted({c["length"] for e in entries for c in e["cells"]})
+    depths = sorted({c["depth"] for e in entries for c in e["cells"]})
     header = ["length", "depth"] + [f"{e['role']} found" for e in entries] + [f"{e['role']} s" for e in entries]
     grids = [_grid(e)[2] for e in entries]
     rows = []
@@ -328,8 +329,12 @@ def passkey_rows(entries: Sequence[dict[str, Any]]) -> tuple[list[str], list[lis
             rows.append([_length_label(n), f"{d:g}%"]
                         + [f"{c['found']}/{c['keys']}" if c else "" for c in got]
                         + [f"{c['seconds']:.1f}" if c else "" for c in got])
-    rows.append(["all", ""] + [f"{e['found']}/{e['keys']} ({e['accuracy']:.0%})" for e in entries]
-                + [f"{e['seconds']:.0f}" for e in entries])
+    common = set.intersection(*(set(g) for g in grids))  # totals over the cells every model has
+    totals = [[g[k] for k in common] for g in grids]
+    found, keys = [sum(c["found"] for c in t) for t in totals], [sum(c["keys"] for c in t) for t in totals]
+    rows.append(["all" if all(len(g) == len(common) for g in grids) else "common cells", ""]
+                + [f"{f}/{k} ({f / k:.0%})" if k else "" for f, k in zip(found, keys)]
+                + [f"{sum(c['seconds'] for c in t):.0f}" for t in totals])
     return header, rows
 
 
