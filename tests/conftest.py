@@ -48,6 +48,23 @@ def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: 
     return model
 
 
+def word_level_tokenizer(vocab: list[str], path: Path | None = None, digits: bool = False, decoder: str = "wordpiece"):
+    """A word-level tokenizer over `vocab` (which must hold "[UNK]"): words split at whitespace and
+    punctuation, digits one by one when `digits`; decoder "fuse" joins tokens without spaces,
+    "wordpiece" with spaces but none before punctuation. Saved to `path` when given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    split = [pre_tokenizers.Whitespace()] + ([pre_tokenizers.Digits(individual_digits=True)] if digits else [])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+    tok.decoder = decoders.Fuse() if decoder == "fuse" else decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    if path is not None:
+        fast.save_pretrained(path)
+    return fast
+
+
 def save_word_tokenizer(path: Path) -> None:
     """A word-level tokenizer over w0..w95 (the tiny models' vocabulary is 97), for tests that load
     a model folder through the tokenizer as well."""

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, word_level_tokenizer
 from transmla.eval import passkey as pk
 
 # --- a word-level tokenizer that can write a passkey prompt ------------------------------------
@@ -21,16 +21,7 @@ VOCAB = FILLER_WORDS + PROMPT_WORDS + list("0123456789") + [".", "?", "{", "}", 
 def word_tokenizer(path=None):
     """Words, digits one by one and punctuation; decoding fuses the tokens (no spaces), so a key
     written as five digit tokens decodes back to the key."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)])
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    if path is not None:
-        fast.save_pretrained(path)
-    return fast
+    return word_level_tokenizer(VOCAB, path, digits=True, decoder="fuse")
 
 
 def filler_file(path, paragraphs=40, seed=0):
@@ -248,7 +239,7 @@ def test_cli_passkey_on_a_converted_model(cli, tmp_path, passkey_model):
     (("--task", "passkey", "--keys", "0"), "--keys must be at least 1"),
     (("--task", "passkey", "--lengths", "2x"), "--lengths must be token counts"),
     (("--task", "passkey", "--filler", "nosuch"), "neither a built-in text"),
-    (("--task", "recall",), "--task must be perplexity or passkey"),
+    (("--task", "quiz",), "--task must be perplexity, passkey, cloze or recall"),
     (("--depths", "50"), "--depths applies to --task passkey only"),
 ])
 def test_cli_passkey_bad_input(cli, passkey_model, flags, message):

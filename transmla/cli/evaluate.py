@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..eval.report import compare_rows, write_compare_report
 from ..eval.evaluate import compare_report, evaluate_model
+from ..eval.choice_tasks import TASKS, ChoiceSettings
 from ..eval.passkey import PasskeySettings
 from ..eval.settings import EvalSettings
 from ..progress import stderr_console
@@ -26,7 +27,9 @@ def evaluate(
     compare: Annotated[str | None, Opt(help="Also evaluate this (source) model under the same protocol; one table.")] = None,
     report: Annotated[Path | None, Opt(help="Write report.json, report.md and PNG plots into this folder.")] = None,
     task: Annotated[str, Opt(help="perplexity | passkey (a 5-digit key hidden in filler text, found or not by "
-                                  "the greedy answer, per prompt length x depth).")] = "perplexity",
+                                  "the greedy answer, per prompt length x depth) | cloze (the true next sentence of "
+                                  "held-out prose among others, by log-likelihood) | recall (where a person named "
+                                  "once before long filler lives, among the cities named).")] = "perplexity",
     *,
     as_json: JsonFlag = False,
     settings: dict,
@@ -34,11 +37,21 @@ def evaluate(
     """Token-level perplexity, exp(mean NLL), over windows of the evaluation text, and the KV cache;
     or passkey retrieval (--task passkey)."""
     passkey = {k: settings.pop(k) for k in PASSKEY_FIELDS}
+    choice = {k: settings.pop(k) for k in CHOICE_FIELDS}
+    given = [k for k, v in choice.items() if v is not None]
+    if given and task not in TASKS:
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to --task cloze or recall only")
+    if task in TASKS:
+        given = [k for k, v in passkey.items() if v is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} applies to --task passkey only")
+        return _choices(model, compare, task, as_json, EvalSettings(**settings | {"measure_tokens": 0}),
+                        ChoiceSettings(**{k: v for k, v in choice.items() if v is not None}))
     if task == "passkey":
         return _passkey(model, compare, report, as_json, EvalSettings(**settings | {"measure_tokens": 0}),
                         PasskeySettings(**{k: v for k, v in passkey.items() if v is not None}))
     if task != "perplexity":
-        raise ValueError(f"--task must be perplexity or passkey, got {task!r}")
+        raise ValueError(f"--task must be perplexity, passkey, cloze or recall, got {task!r}")
     given = [k for k, v in passkey.items() if v is not None]
     if given:
         raise ValueError(f"--{given[0].replace('_', '-')} applies to --task passkey only")
@@ -120,6 +133,28 @@ def _passkey(model: str, compare: str | None, report: Path | None, as_json: bool
         stderr_console.print(f"[dim]report written to {report}: {', '.join(Path(p).name for p in files.values())}[/dim]")
 
 
+def _choices(model: str, compare: str | None, task: str, as_json: bool, settings: EvalSettings,
+             choice: ChoiceSettings) -> None:
+    """transmla eval --task cloze|recall: accuracy of the model (and its source) on the same items."""
+    from ..eval.choice_tasks import evaluate_choices
+
+    runs = ([(compare, "source")] if compare else []) + [(model, "converted" if compare else "model")]
+    entries = [evaluate_choices(spec, task, choice, dtype=settings.torch_dtype(), device=settings.device, role=role,
+                                progress=settings.progress) for spec, role in runs]
+    result = {"task": task, "settings": choice.to_dict(), "dtype": settings.dtype, "models": entries}
+    if as_json:
+        emit(result, True, "")
+        return
+    table = Table(title=f"transmla eval --task {task}", caption=f"{choice.items} items, {choice.choices} choices "
+                  f"(chance {1 / choice.choices:.0%}); acc: highest log-likelihood, acc_norm: per character",
+                  caption_justify="left")
+    for h in ("model", "role", "acc", "acc_norm", "seconds"):
+        table.add_column(h, style="bold" if h == "model" else None)
+    for e in entries:
+        table.add_row(e["model"], e["role"], f"{e['acc']:.1%}", f"{e['acc_norm']:.1%}", f"{e['seconds']:.0f}")
+    stdout.print(table)
+
+
 # The protocol's flags; --measure-cache defaults to 64 with --compare/--report, else 0. The passkey
 # flags default to None (not given): --task perplexity refuses them, --task passkey fills in its defaults.
 EVAL_FLAGS = [
@@ -129,4 +164,6 @@ EVAL_FLAGS = [
 ]
 PASSKEY_FLAGS = schema_flags(PasskeySettings, unset_default=True)
 PASSKEY_FIELDS = [f.name for f in PASSKEY_FLAGS]
-evaluate = with_flags(evaluate, merge_flags(EVAL_FLAGS, PASSKEY_FLAGS))
+CHOICE_FLAGS = schema_flags(ChoiceSettings, unset_default=True)
+CHOICE_FIELDS = [f.name for f in CHOICE_FLAGS]
+evaluate = with_flags(evaluate, merge_flags(EVAL_FLAGS, PASSKEY_FLAGS, CHOICE_FLAGS))

@@ -20,14 +20,16 @@ STAGE_WINDOWS, STAGE_SEQ_LEN = 8, 512
 
 def stage_perplexities(source_dir: Path, config, stage_layers: dict[str, list[MLALayer]], ids: torch.Tensor,
                        windows: int = STAGE_WINDOWS, seq_len: int = STAGE_SEQ_LEN, progress: bool = False,
-                       probe: Callable | None = None, probes: dict | None = None) -> dict[str, float]:
+                       probe: Callable | None = None, probes: dict | None = None,
+                       with_source: bool = True) -> dict[str, float]:
     """Perplexity of the source and of the partial models (every layer at that stage) on `windows`
     windows; with `probe` (model -> result, e.g. eval/key_probe.py's passkey probe) also each
-    model's probe result, written into `probes` under the same names."""
+    model's probe result, written into `probes` under the same names. with_source=False scores the
+    stages alone (a caller comparing many conversions of one source scores it once)."""
     from ..checkpoint.resolve import load_lm
     from .perplexity import perplexity
 
-    loaders = {"source": lambda: load_lm(source_dir)}
+    loaders = {"source": lambda: load_lm(source_dir)} if with_source else {}
     for name, layers in stage_layers.items():
         loaders[name] = lambda layers=layers, name=name: assemble_model(source_dir, config, layers, {"name": f"transmla-{name}"})
     out = {}
@@ -41,7 +43,7 @@ def stage_perplexities(source_dir: Path, config, stage_layers: dict[str, list[ML
 
 
 def stage_report(data: str, progress: bool = True, passkey=None, passkey_lengths: list[int] | None = None,
-                 probes: dict | None = None):
+                 probes: dict | None = None, with_source: bool = True):
     """The hook for convert(stage_report=...): scores every stage on `data`'s evaluation part and
     prints one line per stage on stderr. With `passkey` (PasskeySettings) and `passkey_lengths`, also
     the passkey likelihood probe of every stage (eval/key_probe.py), printed and kept in `probes`."""
@@ -57,7 +59,8 @@ def stage_report(data: str, progress: bool = True, passkey=None, passkey_lengths
         ids = tokenize_text(tokenizer, load_text(data, part="eval"))
         found = probes if probes is not None else {}
         probe = (lambda model: key_probe(model, tokenizer, passkey, passkey_lengths)) if passkey is not None else None
-        ppl = stage_perplexities(source_dir, config, stage_layers, ids, progress=progress, probe=probe, probes=found)
+        ppl = stage_perplexities(source_dir, config, stage_layers, ids, progress=progress, probe=probe, probes=found,
+                                 with_source=with_source)
         for name, value in ppl.items():
             extra = ""
             if name in found:
