@@ -1,0 +1,88 @@
+"""The multiple-choice task family (issue 34: cloze and recall, transmla.eval.choice_tasks) on the
+built-in SmolLM2-135M and its CLI-default TransMLA conversions (the ones benchmarks/passkey keeps
+under out/passkey/, made there when missing).
+
+Each model runs `transmla eval MODEL --task TASK --items 100 --json` as a user runs it:
+- cloze: 100 passages of the held-out wiki/lee evaluation parts, the true next sentence among 4
+  (chance 25%); context up to 512 tokens;
+- recall: 4 people and their cities stated once, 1024 tokens of held-out prose, then the question;
+  the 4 cities are the candidates (chance 25%).
+
+    .venv/bin/python -m benchmarks.choice_tasks              # every (model, task) not yet in the JSON
+    .venv/bin/python -m benchmarks.choice_tasks --only source,transmla 50%
+    .venv/bin/python -m benchmarks.choice_tasks --report
+
+Writes benchmarks/results/choice_tasks_smollm2.{json,md} with the CPU and the load around every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+from .common import RESULTS, TRANSMLA, ResultCache, log
+from .passkey import MODEL, MODELS, converted, cpu_name
+
+STEM = "choice_tasks_smollm2"
+TASKS = {"cloze": ["--context-tokens", "512"], "recall": ["--context-tokens", "1024"]}
+ITEMS = 100
+
+
+def run_one(spec: str, task: str) -> dict:
+    before = os.getloadavg()[0]
+    start = time.perf_counter()
+    cmd = [str(TRANSMLA), "eval", spec, "--task", task, "--items", str(ITEMS), *TASKS[task], "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+    entry = json.loads(proc.stdout)["models"][0]
+    return entry | {"wall_seconds": round(time.perf_counter() - start, 1), "load_before": round(before, 2),
+                    "load_after": round(os.getloadavg()[0], 2), "cpu": cpu_name(), "command": " ".join(cmd[1:])}
+
+
+def report(results: dict) -> str:
+    L = ["# Multiple-choice tasks: SmolLM2-135M and its TransMLA conversions (CLI defaults)", "",
+         (__doc__ or "").split("\n\n")[1].strip(), "",
+         "| model | cloze acc | cloze acc_norm | recall acc | recall acc_norm | seconds (cloze / recall) |",
+         "|---|---|---|---|---|---|"]
+    for role in MODELS:
+        c, r = results.get(f"{role}/cloze"), results.get(f"{role}/recall")
+        if not (c or r):
+            continue
+        f = lambda e, k: f"{e[k]:.0%}" if e else "-"  # noqa: E731
+        s = lambda e: f"{e['seconds']:.0f}" if e else "-"  # noqa: E731
+        L.append(f"| {role} | {f(c, 'acc')} | {f(c, 'acc_norm')} | {f(r, 'acc')} | {f(r, 'acc_norm')} | {s(c)} / {s(r)} |")
+    runs = [v for k, v in results.items() if k.endswith(("/cloze", "/recall"))]
+    if runs:
+        L += ["", f"CPU: {runs[0]['cpu']} (2 cores); load {min(e['load_before'] for e in runs):.1f}-"
+              f"{max(e['load_after'] for e in runs):.1f} around the runs (seconds are wall time under that load)."]
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(MODELS))
+    ap.add_argument("--report", action="store_true")
+    args = ap.parse_args(argv)
+    cache = ResultCache(RESULTS / f"{STEM}.json")
+    if not args.report:
+        for role in args.only.split(","):
+            budget = MODELS[role]
+            spec = MODEL if budget is None else str(converted(budget, cache))
+            for task in TASKS:
+                key = f"{role}/{task}"
+                if key not in cache.results:
+                    log(f"{key} ...")
+                    cache.results[key] = run_one(spec, task)
+                    cache.save()
+                    log(f"{key}: acc {cache.results[key]['acc']:.0%}")
+                    (RESULTS / f"{STEM}.md").write_text(report(cache.results))
+    (RESULTS / f"{STEM}.md").write_text(report(cache.results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
