@@ -131,8 +131,8 @@ def report(data: dict) -> None:
     entries = [e for e in (merged(data, role) for role in MODELS) if e is not None]
     png = plot_passkey(entries, RESULTS / f"{STEM}.png")
     header, rows = passkey_rows(entries)
-    lengths = sorted({c["length"] for c in entries[0]["cells"]})
-    skipped = [n for n in (1024, 2048, 4096, 8192) if n <= CONTEXT and n not in lengths]
+    skipped = {e["role"]: [n for n in (1024, 2048, 4096, 8192) if n <= CONTEXT and n not in {c["length"] for c in e["cells"]}]
+               for e in entries}
     runs = [v for k, v in data.items() if "/" in k and isinstance(v, dict) and "load_before" in v and "found" in v]
     loads = [x for r in runs for x in (r["load_before"][0], r["load_after"][0])]
     env = data["machine"]
@@ -159,9 +159,14 @@ def report(data: dict) -> None:
         f"![passkey heatmaps]({png.name})",
         "",
     ]
-    if skipped:
-        lines += [f"Not measured: {', '.join(f'{n // 1024}K' for n in skipped)} (SmolLM2's context is 8K; not run "
-                  "in this session for time). `python -m benchmarks.passkey --lengths 8K` adds it.", ""]
+    if any(skipped.values()):
+        lines += ["Not measured (not run in the session that ran this, for time; `python -m benchmarks.passkey --lengths "
+                  "8K` adds a length): " + "; ".join(f"{role} at {', '.join(f'{n // 1024}K' for n in ns)}"
+                                                     for role, ns in skipped.items() if ns) + ".", ""]
+    missing = [role for role in MODELS if merged(data, role) is None]
+    if missing:
+        lines += [f"Not measured: {', '.join(missing)} (its conversion did not finish in the session that ran this; "
+                  "`python -m benchmarks.passkey` makes it under out/passkey and measures it).", ""]
     conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB" + (f" ({v['note']})" if v.get("note") else "")
             for k, v in data.items()
             if k.startswith("convert/") and isinstance(v, dict) and "wall_s" in v]
