@@ -128,3 +128,32 @@ def test_cli_bad_input_is_one_line(cli, choice_model, flags, message):
     code, out, err = cli("eval", choice_model / "mla", *flags)
     lines = err.strip().splitlines()
     assert code == 1 and out == "" and len(lines) == 1 and message in lines[0], err
+
+
+def test_sweep_scores_the_tasks_beside_perplexity(cli, choice_model, tmp_path):
+    """sweep --tasks: every model's accuracy in sweep.json, its table and sweep.md, each equal to
+    `transmla eval --task` on the kept model; without --tasks no task key is written."""
+    out = tmp_path / "sweep"
+    text = choice_model / "t.txt"
+    common = ("--method", "transmla", "--budgets", "0.5", "--data", text, "--seq-len", 16, "--max-windows", 2,
+              "--calib", text, "--calib-samples", 4, "--calib-seq-len", 16, "--fit-steps", 0)
+    task_flags = ("--items", 5, "--context-tokens", 40, "--texts", text)
+    code, stdout, err = cli("sweep", choice_model / "src", "--out", out, *common, "--tasks", "cloze,recall",
+                            *task_flags, "--keep", "--json")
+    assert code == 0, err
+    result = json.loads(stdout)
+    row = result["rows"][0]
+    assert set(result["source"]["tasks"]) == set(row["tasks"]) == {"cloze", "recall"}
+    assert result["task_settings"]["items"] == 5
+    for task in ("cloze", "recall"):
+        code, again, err = cli("eval", row["model_dir"], "--task", task, *task_flags, "--json")
+        assert code == 0, err
+        assert json.loads(again)["models"][0]["acc"] == row["tasks"][task]
+    md = (out / "sweep.md").read_text()
+    assert "| perplexity | cloze acc | recall acc | vs source |" in md
+    code, stdout, err = cli("sweep", choice_model / "src", "--out", tmp_path / "plain", *common, "--json")
+    assert code == 0, err
+    plain = json.loads(stdout)
+    assert "tasks" not in plain["source"] and "tasks" not in plain["rows"][0] and "task_settings" not in plain
+    code, _, err = cli("sweep", choice_model / "src", "--out", tmp_path / "bad", *common, "--items", 3)
+    assert code == 1 and "--items needs --tasks" in err

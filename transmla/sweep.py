@@ -23,6 +23,7 @@ from .convert.options import COMMON_SCHEMAS, ConvertOptions
 from .convert.registry import budget_methods, get_method
 from .mla.config import MLAConfig
 from .eval import report as rep
+from .eval.choice_tasks import TASKS, ChoiceSettings, evaluate_choices
 from .eval.evaluate import evaluate_model
 from .eval.measured_cache import MeasuredCache
 from .eval.settings import EvalSettings
@@ -100,9 +101,10 @@ class SweepRow:
     eval_cpu_seconds: float | None
     model_dir: str | None
     conversion: dict[str, Any] | None  # _conversion_meta
+    tasks: dict[str, float] | None = None  # multiple-choice accuracy per task (--tasks), absent without
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tasks" or self.tasks is not None}
         if self.measured_cache is not None:
             out["measured_cache"] = self.measured_cache.to_dict()
         return out
@@ -118,12 +120,16 @@ def sweep(
     keep: bool = False,
     command: str | None = None,
     convert_fn: Callable | None = None,
+    tasks: Sequence[str] = (),
+    task_settings: ChoiceSettings | None = None,
 ) -> dict[str, Any]:
     """Convert ``source`` with each method at each budget, evaluate, write the table and plot.
 
     Returns the sweep dict also written to ``out_dir/sweep.json``. Converted models are written
     to ``out_dir/models/<method>-<budget>`` and deleted after evaluation unless ``keep``.
-    ``convert_fn`` replaces ``transmla.convert.api.convert`` (tests).
+    ``convert_fn`` replaces ``transmla.convert.api.convert`` (tests). ``tasks`` (cloze, recall)
+    scores every model on those multiple-choice tasks too (eval/choice_tasks.py, ``task_settings``),
+    beside its perplexity.
     """
     settings = settings or EvalSettings()
     overrides = dict(convert_options or {})
@@ -143,8 +149,21 @@ def sweep(
     refuse_symlinks(out_dir)
     models_dir = out_dir / "models"
 
+    tasks = list(dict.fromkeys(tasks))
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"tasks must be among {', '.join(TASKS)}, got {t!r}")
+    task_settings = task_settings or ChoiceSettings()
+
+    def task_scores(spec: str, role: str) -> dict[str, float] | None:
+        if not tasks:
+            return None
+        return {t: evaluate_choices(spec, t, task_settings, dtype=settings.torch_dtype(), device=settings.device,
+                                    role=role, progress=settings.progress)["acc"] for t in tasks}
+
     stderr_console.print(f"[bold]sweep[/bold]: evaluating the source model {source}")
     src = evaluate_model(source, settings, role="source")
+    src_tasks = task_scores(source, "source")
     calib = {k: overrides.get(k) for k in ("calib", "calib_samples", "calib_seq_len", "seed") if overrides.get(k) is not None}
     defaults = ConvertOptions().calibration
     calib_text = ", ".join(
@@ -159,15 +178,17 @@ def sweep(
         "dtype": settings.dtype,
         "calibration": calib_text + " (used by the settings that calibrate)",
         "convert_options": overrides,
-        "source": src.entry.to_dict(),
+        "source": src.entry.to_dict() | ({"tasks": src_tasks} if tasks else {}),
         "rows": [],
         "settings": settings.to_dict(),
         "environment": rep.environment(),
         "command": command or rep.command_line(),
         "kept_models": keep,
     }
-    tasks = [(m, b) for m in methods for b in budgets]
-    for method, budget in progress_bar(tasks, "budgets", enabled=settings.progress):
+    if tasks:
+        result["task_settings"] = task_settings.to_dict()
+    points = [(m, b) for m in methods for b in budgets]
+    for method, budget in progress_bar(points, "budgets", enabled=settings.progress):
         target = models_dir / f"{method}-{budget:g}"
         stderr_console.print(f"[bold]sweep[/bold]: {method} at {budget:g} of the source KV cache -> {target}")
         options = options_for(method, budget, overrides)
@@ -197,6 +218,7 @@ def sweep(
             eval_cpu_seconds=e.eval_cpu_seconds,
             model_dir=str(target) if keep else None,
             conversion=_conversion_meta(converted),
+            tasks=task_scores(str(target), "converted"),
         )
         result["rows"].append(row.to_dict())
         if not keep:

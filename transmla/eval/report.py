@@ -472,13 +472,16 @@ def render_sweep_markdown(sweep: Mapping[str, Any], plot: str | None = None) -> 
     p = sweep["protocol"]
     header = ["method", "setting", "budget", "KV el./token/layer", "cache fraction", "R (d_c)", "r (d_rope)",
               "perplexity", "vs source", "convert s (CPU s)", "eval s (CPU s)"]
+    tasks = list(src.get("tasks") or {})  # multiple-choice accuracies beside perplexity (sweep --tasks)
+    header[8:8] = [f"{t} acc" for t in tasks]
     rows = [["source", src["attention"], "1", str(src["kv_elements_per_token_per_layer"]), "1", "–", "–",
-             _ppl(src["perplexity"]), "", "", _fmt_s(src.get("eval_seconds"), src.get("eval_cpu_seconds"))]]
+             _ppl(src["perplexity"]), *(f"{src['tasks'][t]:.1%}" for t in tasks), "", "",
+             _fmt_s(src.get("eval_seconds"), src.get("eval_cpu_seconds"))]]
     for r in sweep["rows"]:
         rows.append([
             r["method"], r.get("setting") or "default", f"{r['budget']:g}", str(r["kv_elements_per_token_per_layer"]),
             f"{r['cache_fraction']:.4g}", str(r.get("kv_lora_rank", "–")), str(r.get("qk_rope_head_dim", "–")),
-            _ppl(r["perplexity"]), f"x{r['perplexity'] / src['perplexity']:.2f}",
+            _ppl(r["perplexity"]), *(f"{r['tasks'][t]:.1%}" for t in tasks), f"x{r['perplexity'] / src['perplexity']:.2f}",
             _fmt_s(r.get("convert_seconds"), r.get("convert_cpu_seconds")),
             _fmt_s(r.get("eval_seconds"), r.get("eval_cpu_seconds")),
         ])
