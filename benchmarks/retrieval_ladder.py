@@ -57,6 +57,10 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                       "both: NoPE'd components scaled by E cos(w Delta) over a 4K window"),
     "calib-512": ({"calib_samples": 64, "calib_seq_len": 512, "fit_steps": 0}, {},
                   "statistics over 64 sequences of 512 tokens instead of 2048 of 16 (the same tokens)"),
+    "rope-64": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0}, {},
+                "the same cache split as published, latent 128 + rope 64 (F = 1: one rope pair per frequency)"),
+    "rope-64-nope-scale-4k": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0},
+                              {"nope_scale": True, "context": 4096}, "rope-64 with nope-scale-4k"),
     "cli-50+fit": ({}, {}, "the CLI's exportable 50% conversion as it is (with the output fit)"),
 }
 
@@ -76,7 +80,7 @@ def measure(name: str, cache: ResultCache) -> None:
     options_kw, plan_kw, _ = VARIANTS[name]
     b = Bench()
     settings = PasskeySettings(**DEV_PASSKEY)
-    options = ConvertOptions.of(**BASE, **options_kw)
+    options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items() if v is not None})
     method = get_method("transmla")
     start = time.perf_counter()
     stream = LayerStream(method, b.src_dir, b.config, options, progress=True, keep_stages=True)
