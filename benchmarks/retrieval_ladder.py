@@ -148,6 +148,15 @@ def _cpu() -> str:
     return platform.processor()
 
 
+FINDINGS = """Findings (session of 2026-11-26): the exportable 50% conversion loses retrieval at its
+RoRoPE/FreqFold step, before any truncation (key NLL 0.30 -> 2.68, exact 15 -> 1 of 30); BKV-PCA adds
+little. Scaling the NoPE'd components by E cos(w Delta) does not bring it back and costs perplexity;
+choosing the rope components for a 4K window changes nothing in this shape (the grid keeps one
+component per fold group, the same one). Keeping more rope does: latent 128 + rope 64 (F = 1) gives
+2.10 / 5 exact and a lower dev32 without the fit. By the rule it earns a run with the output fit
+(not yet run). rope-64-nope-scale-4k and nope-scale-4k were not run (time)."""
+
+
 def report(results: dict) -> str:
     order = [n for n in VARIANTS if n in results]
     L = ["# Retrieval at length, stage by stage (issue 34)", "",
@@ -163,6 +172,7 @@ def report(results: dict) -> str:
         cell = lambda k: f"{p[k]['nll']:.3f} / {p[k]['exact']}" if p.get(k) else "-"  # noqa: E731
         L.append(f"| {n} | {VARIANTS[n][2]} | {cell('source')} | {cell('rorope')} | {cell('bkv_pca')} | "
                  f"{cell('final')} | {r['dev32']['ppl']:.2f} | {r['convert_seconds']:.0f} |")
+    L += ["", FINDINGS]
     if order:
         r0 = results[order[0]]
         L += ["", f"CPU: {r0['cpu']}, 2 cores; load {min(results[n]['load'] for n in order):.1f}-"
