@@ -275,13 +275,11 @@ def _logits(path: Path, device: str, ids, prompt_len: int, **config) -> dict:
     """Prefill logits of `ids` (expanded path) and token-by-token logits after `prompt_len` through the
     cache; `config` overrides config fields (the export's rms_norm_eps)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from transmla.mla.model import register, set_decode_mode
+    from transmla.checkpoint.resolve import load_lm
+    from transmla.mla.model import set_decode_mode
 
-    register()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **config)
-    model = model.to(device).eval()
+    model = load_lm(path, torch.float32, device, **config)
     set_decode_mode(model, "auto")
     ids = ids.to(device)
     with torch.inference_mode():

@@ -77,8 +77,9 @@ def load_config(spec: str | Path):
     return AutoConfig.from_pretrained(resolve_model_dir(spec))
 
 
-def load_lm(spec: str | Path, dtype: torch.dtype | None = torch.float32, device: str = "cpu"):
-    """The causal LM alone (no tokenizer needed) for a source or converted model, in eval mode."""
+def load_lm(spec: str | Path, dtype: torch.dtype | None = torch.float32, device: str = "cpu", **overrides):
+    """The causal LM alone (no tokenizer needed) for a source or converted model, in eval mode;
+    `overrides` replace config fields (e.g. rms_norm_eps=1e-6, as a DeepSeek export runs)."""
     from transformers import AutoModelForCausalLM
 
     from ..families import family_for
@@ -89,7 +90,7 @@ def load_lm(spec: str | Path, dtype: torch.dtype | None = torch.float32, device:
     config = load_config(path)
     family_for(source_model_type(config))  # unsupported architectures fail here, clearly
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **overrides)
     except RuntimeError as exc:  # transformers' "look at the above report": name the tensor instead
         if "mismatched_sizes" not in str(exc):
             raise
