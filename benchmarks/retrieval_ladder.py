@@ -61,7 +61,18 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                 "the same cache split as published, latent 128 + rope 64 (F = 1: one rope pair per frequency)"),
     "rope-64-nope-scale-4k": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0},
                               {"nope_scale": True, "context": 4096}, "rope-64 with nope-scale-4k"),
+    "rope-64-attention": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0},
+                          {"pca_metric": "attention"}, "rope-64 with the latent's PCA weighting key errors by the queries"),
+    "rope-64-output": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0},
+                       {"pca_metric": "output"}, "rope-64 with the latent's PCA weighting value errors by W_o"),
+    "rope-64-4k": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0}, {"context": 4096},
+                   "rope-64 with the rope components chosen for distances of a 4K window"),
     "cli-50+fit": ({}, {}, "the CLI's exportable 50% conversion as it is (with the output fit)"),
+    "rope-64+fit": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64}, {}, "rope-64 with the CLI's output fit"),
+    "cli-50+fit-long": ({"fit_shape": (32, 2048)}, {},
+                        "cli-50+fit with the fit on 32 sequences of 2048 tokens instead of 1024 of 64 (the same tokens)"),
+    "rope-64+fit-long": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (32, 2048)}, {},
+                         "rope-64+fit with the fit on 32 x 2048 tokens"),
 }
 
 
@@ -69,7 +80,7 @@ def measure(name: str, cache: ResultCache) -> None:
     import torch
 
     from transmla.convert.options import ConvertOptions
-    from transmla.convert.pipeline import LayerStream
+    from transmla.convert.pipeline import LayerStream, calibration_ids
     from transmla.convert.registry import get_method
     from transmla.eval.key_probe import key_probe
     from transmla.eval.passkey import PasskeySettings
@@ -80,10 +91,15 @@ def measure(name: str, cache: ResultCache) -> None:
     options_kw, plan_kw, _ = VARIANTS[name]
     b = Bench()
     settings = PasskeySettings(**DEV_PASSKEY)
-    options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items() if v is not None})
+    fit_shape = options_kw.get("fit_shape")
+    options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items() if v is not None and k != "fit_shape"})
     method = get_method("transmla")
     start = time.perf_counter()
-    stream = LayerStream(method, b.src_dir, b.config, options, progress=True, keep_stages=True)
+    fit_ids = None
+    if fit_shape:  # other sequences of the calibration text than the statistics', as the CLI's fit
+        cal = options.calibration
+        fit_ids = calibration_ids(b.src_dir, cal.calib, *fit_shape, cal.seed + 1)
+    stream = LayerStream(method, b.src_dir, b.config, options, progress=True, keep_stages=True, fit_ids=fit_ids)
     if plan_kw:
         stream.plan = replace(stream.plan, **plan_kw)
     if stream.fit is None and stream.propagate == "original":
