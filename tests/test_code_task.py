@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import sys
 import textwrap
 
 import pytest
@@ -59,6 +60,17 @@ def test_items_are_seeded_and_held_out_from_calibration():
         assert not {"test", "tests", "idle_test", "site-packages"} & set(parts[:-1])
         assert not ct.in_calibration(fn) and fn.header + "\n" + fn.body not in calib_text
     assert not calib_files & set(ct.held_out_files())
+    tops = {m.split("/")[0].removesuffix(".py") for m in ct.held_out_files()}
+    assert tops <= set(sys.stdlib_module_names) and not tops & ct.SPLIT_OFF
+
+
+def test_a_file_missing_from_an_install_removes_only_its_own_item(monkeypatch):
+    settings = ct.CodeSettings(**SMALL)
+    functions = [i.function for i in ct.code_items(settings)]
+    files = ct.held_out_files()
+    monkeypatch.setattr(ct, "held_out_files", lambda: tuple(m for m in files if m != functions[2].module))
+    again = [i.function for i in ct.code_items(settings)]
+    assert again[:5] == functions[:2] + functions[3:]
 
 
 def test_targets_are_the_true_function_bodies():
@@ -71,8 +83,9 @@ def test_targets_are_the_true_function_bodies():
                         and min([n.lineno] + [d.lineno for d in n.decorator_list]) == fn.lineno)
         assert original.name == fn.name.rsplit(".", 1)[-1]
         (rebuilt,) = ast.parse(textwrap.dedent(fn.header + "\n" + fn.body)).body
-        assert ast.dump(rebuilt) == ast.dump(original)
-        assert ast.get_docstring(rebuilt) is not None and fn.header.rstrip().endswith(("'", '"'))
+        same = lambda node: ast.dump(ast.Module(node.body[1:], [])) + ast.dump(node.args) + str(  # noqa: E731
+            [ast.dump(d) for d in node.decorator_list]) + str(ast.get_docstring(node))  # dedent moves no cleaned docstring
+        assert same(rebuilt) == same(original) and ast.get_docstring(rebuilt) is not None
         assert source.endswith(fn.body) or (fn.body + "\n") in source
         assert item.candidates[item.answer] == fn.body and len(item.candidates) == 3
         for k, other in enumerate(item.candidates):

@@ -41,11 +41,11 @@ def evaluate(
     """Token-level perplexity, exp(mean NLL), over windows of the evaluation text, and the KV cache;
     or a task (--task passkey | cloze | recall | code)."""
     if task not in ALL_TASKS:
-        raise ValueError(f"--task must be {_either(ALL_TASKS)}, got {task!r}")
+        raise ValueError(f"--task must be {either(ALL_TASKS)}, got {task!r}")
     flags = {k: settings.pop(k) for k in TASK_FLAGS}
     for k, v in flags.items():
         if v is not None and task not in TASK_FLAGS[k]:
-            raise ValueError(f"--{k.replace('_', '-')} applies to --task {_either(TASK_FLAGS[k])} only")
+            raise ValueError(f"--{k.replace('_', '-')} applies to --task {either(TASK_FLAGS[k])} only")
     given = {k: v for k, v in flags.items() if v is not None}
     if task != "perplexity":
         settings = EvalSettings(**settings | {"measure_tokens": 0})
@@ -103,7 +103,7 @@ def evaluate(
         stderr_console.print(f"[dim]report written to {report}: {', '.join(Path(p).name for p in files.values())}[/dim]")
 
 
-def _either(names) -> str:
+def either(names) -> str:
     """'a', 'a or b', 'a, b or c'."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 

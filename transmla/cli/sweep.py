@@ -18,7 +18,7 @@ from ..progress import stderr_console
 from ..sweep import SHAPE_SETTINGS, parse_budgets
 from ..sweep import sweep as run_sweep
 from .common import JsonFlag, emit, stdout
-from .evaluate import CODE_FLAGS, CODE_SHARED, TASK_FLAGS
+from .evaluate import CODE_FLAGS, CODE_SHARED, TASK_FLAGS, either
 from .options import given, merge_flags, schema_flags, with_flags
 
 Opt = typer.Option
@@ -47,7 +47,7 @@ def sweep(
         if not task_list:
             raise ValueError(f"--{k.replace('_', '-')} needs --tasks")
         if not set(task_list) & set(TASK_FLAGS[k]):
-            raise ValueError(f"--{k.replace('_', '-')} applies to --tasks {' or '.join(TASK_FLAGS[k])} only")
+            raise ValueError(f"--{k.replace('_', '-')} applies to --tasks {either(TASK_FLAGS[k])} only")
     choice = ChoiceSettings(**{k: v for k, v in task_flags.items() if k in CHOICE_FIELDS}) \
         if set(task_list) & set(TASKS) else None
     code = CodeSettings(**{k: v for k, v in task_flags.items() if k in CODE_SHARED}) if CODE_TASK in task_list else None

@@ -2,11 +2,13 @@
 standard library, the coder model's own skill, built from what every CPython install holds.
 
 Functions: the ``*.py`` files under the running interpreter's stdlib folder
-(``sysconfig.get_paths()["stdlib"]``), ``test``/``tests``/``idle_test`` folders and site-packages left
-out, taken in an order drawn from ``task_seed`` and parsed with ``ast`` one file at a time; from each
-file one function (or method) is drawn among those with a docstring and a body of 1..24 lines after it
-(not a bare ``pass``/``...``). The selection is a rule over whatever the install holds, so it works on
-any CPython, but it changes with the Python version (the result names it).
+(``sysconfig.get_paths()["stdlib"]``) that belong to a module of ``sys.stdlib_module_names``, less
+``test``/``tests``/``idle_test`` folders and the parts Linux distributions ship as separate packages
+(tkinter, idlelib, turtle, lib2to3, distutils, ensurepip, venv: ``SPLIT_OFF``), so every CPython of a
+version holds the same files. Files are ranked by a hash of (``task_seed``, path), so a file missing
+somewhere removes only its own item, and parsed with ``ast`` in that order; from each file one function
+(or method) is drawn among those with a docstring and a body of 1..24 lines after it (not a bare
+``pass``/``...``). The items change with the Python version (the result names it).
 
 Held out from calibration: the built-in calibration text ``code`` (data/texts.py, ``--calib code``) is
 Python source too, the stdlib's top-level modules a..m. Those files are never drawn, and a function whose
@@ -36,8 +38,10 @@ from __future__ import annotations
 import ast
 import functools
 import gc
+import hashlib
 import math
 import random
+import sys
 import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,6 +55,10 @@ from .choice_tasks import candidate_loglik, choice_hits
 
 TASK = "code"
 EXCLUDED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
+# Top-level stdlib modules that distributions package apart (Debian: python3-tk, idle, python3-lib2to3,
+# python3-distutils, python3-venv, the test suite): absent from some installs, so never drawn.
+SPLIT_OFF = frozenset({"test", "tkinter", "idlelib", "turtle", "turtledemo", "lib2to3", "distutils", "ensurepip",
+                       "venv", "pydoc_data"})
 MAX_BODY_LINES = 24
 MAX_CHOICES = 16
 LINE_MARGIN = 8  # tokens generated beyond the true first line's (a greedy line may tokenize differently)
@@ -119,14 +127,16 @@ def stdlib_folder() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def held_out_files() -> tuple[str, ...]:
-    """The stdlib's .py files (relative paths, sorted) outside test folders and site-packages, less the
-    files of the calibration text 'code'."""
+    """The stdlib's .py files (relative paths, sorted) of its own modules (sys.stdlib_module_names, less
+    SPLIT_OFF) outside test folders, less the files of the calibration text 'code'."""
     from ..data.texts import code_calib_files
 
     root = stdlib_folder()
     calib = {p.resolve() for p in code_calib_files()}
+    modules = set(sys.stdlib_module_names) - SPLIT_OFF
     files = [p for p in root.rglob("*.py")
-             if not EXCLUDED_FOLDERS & set(p.relative_to(root).parts[:-1]) and p.resolve() not in calib]
+             if not EXCLUDED_FOLDERS & set(p.relative_to(root).parts[:-1]) and p.resolve() not in calib
+             and p.relative_to(root).parts[0].removesuffix(".py") in modules]
     if not files:
         raise ValueError(f"the code task reads the standard library, but {root} holds no held-out .py files")
     return tuple(sorted(str(p.relative_to(root)) for p in files))
@@ -207,30 +217,38 @@ def reindent(body: str, like: str) -> str:
 
 
 def code_items(settings: CodeSettings) -> list[CodeItem]:
-    """``settings.items`` functions, one per file, files in an order drawn from ``task_seed``; each with
-    ``choices - 1`` distractor bodies of other files' functions, those of nearest length among a sample."""
-    rng = random.Random(f"code/{settings.task_seed}")
-    files = list(held_out_files())
-    rng.shuffle(files)
+    """``settings.items`` functions, one per file, files ranked by a hash of (``task_seed``, path); each
+    with ``choices - 1`` distractor bodies of other files' functions, those of nearest length among a sample."""
+    seed = f"code/{settings.task_seed}"
+    files = iter(sorted(held_out_files(), key=lambda m: hashlib.sha256(f"{seed}/{m}".encode()).hexdigest()))
     context_chars = CONTEXT_CHARS_PER_TOKEN * settings.context_tokens
     chosen: list[StdlibFunction] = []
-    pool: list[StdlibFunction] = []  # distractor bodies
-    want_pool = 8 * settings.choices
-    for module in files:
-        if len(chosen) >= settings.items and len(pool) >= want_pool:
-            break
+    pool: list[StdlibFunction] = []  # every function of the files read: the distractors' bodies
+
+    def read_next() -> bool:
+        """Parse the next file into the pool (and draw its item while items are wanted); False at the end."""
+        module = next(files, None)
+        if module is None:
+            return False
         functions = file_functions(module, context_chars)
-        pool += functions
-        if len(chosen) < settings.items:
-            eligible = [f for f in functions if not in_calibration(f)]
-            if eligible:
-                chosen.append(rng.choice(eligible))
+        pool.extend(functions)
+        eligible = [f for f in functions if not in_calibration(f)] if len(chosen) < settings.items else []
+        if eligible:
+            chosen.append(random.Random(f"{seed}/{module}").choice(eligible))
+        return True
+
+    while len(chosen) < settings.items and read_next():
+        pass
     if len(chosen) < settings.items:
         raise ValueError(f"items must be at most {len(chosen)}: the standard library holds no more held-out functions")
     items = []
     for fn in chosen:
-        others = [f.body for f in rng.sample(pool, min(len(pool), 40 * settings.choices))
-                  if f.module != fn.module and _squash(f.body) != _squash(fn.body)]
+        while True:  # read on until other files give enough distractors to choose among
+            others = [f.body for f in pool if f.module != fn.module and _squash(f.body) != _squash(fn.body)]
+            if len(others) >= 8 * settings.choices or not read_next():
+                break
+        rng = random.Random(f"{seed}/{fn.module}/{fn.name}")
+        others = rng.sample(others, min(len(others), 40 * settings.choices))
         others.sort(key=lambda b: abs(len(b) - len(fn.body)))
         bodies = [fn.body] + [reindent(b, fn.body) for b in others[: settings.choices - 1]]
         if len(bodies) < settings.choices:
