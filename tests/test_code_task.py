@@ -83,8 +83,9 @@ def test_targets_are_the_true_function_bodies():
                         and min([n.lineno] + [d.lineno for d in n.decorator_list]) == fn.lineno)
         assert original.name == fn.name.rsplit(".", 1)[-1]
         (rebuilt,) = ast.parse(textwrap.dedent(fn.header + "\n" + fn.body)).body
+        # the same body, arguments, decorators and docstring (cleaned: dedent moves its raw lines)
         same = lambda node: ast.dump(ast.Module(node.body[1:], [])) + ast.dump(node.args) + str(  # noqa: E731
-            [ast.dump(d) for d in node.decorator_list]) + str(ast.get_docstring(node))  # dedent moves no cleaned docstring
+            [ast.dump(d) for d in node.decorator_list]) + str(ast.get_docstring(node))
         assert same(rebuilt) == same(original) and ast.get_docstring(rebuilt) is not None
         assert source.endswith(fn.body) or (fn.body + "\n") in source
         assert item.candidates[item.answer] == fn.body and len(item.candidates) == 3

@@ -197,5 +197,5 @@ def evaluate_choices(spec: str, task: str, settings: ChoiceSettings, dtype: torc
         gc.collect()
 
 
-__all__ = ["CITIES", "ChoiceItem", "ChoiceSettings", "SURNAMES", "TASKS", "build_items", "candidate_loglik", "choice_hits",
-           "cloze_items", "evaluate_choices", "recall_items", "score_items"]
+__all__ = ["CITIES", "ChoiceItem", "ChoiceSettings", "SURNAMES", "TASKS", "build_items", "candidate_loglik",
+           "choice_hits", "cloze_items", "evaluate_choices", "recall_items", "score_items"]
