@@ -119,10 +119,11 @@ def test_cli_task_scores_a_converted_model_beside_its_source(cli, choice_model, 
 
 @pytest.mark.parametrize("flags, message", [
     (("--task", "cloze", "--keys", "2"), "--keys applies to --task passkey only"),
-    (("--items", "3"), "--items applies to --task cloze or recall only"),
+    (("--items", "3"), "--items applies to --task cloze, recall or code only"),
+    (("--task", "code", "--texts", "lee"), "--texts applies to --task cloze or recall only"),
     (("--task", "recall", "--choices", "1"), "choices must be between 2"),
     (("--task", "cloze", "--items", "0"), "items must be at least 1"),
-    (("--task", "quiz",), "--task must be perplexity, passkey, cloze or recall"),
+    (("--task", "quiz",), "--task must be perplexity, passkey, cloze, recall or code"),
 ])
 def test_cli_bad_input_is_one_line(cli, choice_model, flags, message):
     code, out, err = cli("eval", choice_model / "mla", *flags)

@@ -239,7 +239,7 @@ def test_cli_passkey_on_a_converted_model(cli, tmp_path, passkey_model):
     (("--task", "passkey", "--keys", "0"), "--keys must be at least 1"),
     (("--task", "passkey", "--lengths", "2x"), "--lengths must be token counts"),
     (("--task", "passkey", "--filler", "nosuch"), "neither a built-in text"),
-    (("--task", "quiz",), "--task must be perplexity, passkey, cloze or recall"),
+    (("--task", "quiz",), "--task must be perplexity, passkey, cloze, recall or code"),
     (("--depths", "50"), "--depths applies to --task passkey only"),
 ])
 def test_cli_passkey_bad_input(cli, passkey_model, flags, message):

@@ -24,12 +24,17 @@ from .convert.registry import budget_methods, get_method
 from .mla.config import MLAConfig
 from .eval import report as rep
 from .eval.choice_tasks import TASKS, ChoiceSettings, evaluate_choices
+from .eval.code_task import TASK as CODE_TASK
+from .eval.code_task import CodeSettings, evaluate_code
 from .eval.evaluate import evaluate_model
 from .eval.measured_cache import MeasuredCache
 from .eval.settings import EvalSettings
 from .progress import progress_bar, stderr_console
 
-__all__ = ["SweepRow", "options_for", "parse_budgets", "sweep", "write_sweep"]
+__all__ = ["SWEEP_TASKS", "SweepRow", "options_for", "parse_budgets", "sweep", "write_sweep"]
+
+# The tasks `sweep --tasks` scores beside perplexity, and the one number each gives a row.
+SWEEP_TASKS = {**{t: "acc" for t in TASKS}, CODE_TASK: "exact_match"}
 
 
 def parse_budgets(text: str | Sequence[float]) -> list[float]:
@@ -101,7 +106,7 @@ class SweepRow:
     eval_cpu_seconds: float | None
     model_dir: str | None
     conversion: dict[str, Any] | None  # _conversion_meta
-    tasks: dict[str, float] | None = None  # multiple-choice accuracy per task (--tasks), absent without
+    tasks: dict[str, float] | None = None  # each task's score (--tasks; SWEEP_TASKS), absent without
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tasks" or self.tasks is not None}
@@ -122,14 +127,16 @@ def sweep(
     convert_fn: Callable | None = None,
     tasks: Sequence[str] = (),
     task_settings: ChoiceSettings | None = None,
+    code_settings: CodeSettings | None = None,
 ) -> dict[str, Any]:
     """Convert ``source`` with each method at each budget, evaluate, write the table and plot.
 
     Returns the sweep dict also written to ``out_dir/sweep.json``. Converted models are written
     to ``out_dir/models/<method>-<budget>`` and deleted after evaluation unless ``keep``.
-    ``convert_fn`` replaces ``transmla.convert.api.convert`` (tests). ``tasks`` (cloze, recall)
-    scores every model on those multiple-choice tasks too (eval/choice_tasks.py, ``task_settings``),
-    beside its perplexity.
+    ``convert_fn`` replaces ``transmla.convert.api.convert`` (tests). ``tasks`` (cloze, recall, code)
+    scores every model on those tasks too, beside its perplexity: the multiple-choice tasks' accuracy
+    (eval/choice_tasks.py, ``task_settings``) and the code task's exact match (eval/code_task.py,
+    ``code_settings``).
     """
     settings = settings or EvalSettings()
     overrides = dict(convert_options or {})
@@ -151,15 +158,19 @@ def sweep(
 
     tasks = list(dict.fromkeys(tasks))
     for t in tasks:
-        if t not in TASKS:
-            raise ValueError(f"tasks must be among {', '.join(TASKS)}, got {t!r}")
+        if t not in SWEEP_TASKS:
+            raise ValueError(f"tasks must be among {', '.join(SWEEP_TASKS)}, got {t!r}")
     task_settings = task_settings or ChoiceSettings()
+    code_settings = code_settings or CodeSettings()
+
+    def task_score(spec: str, role: str, task: str) -> float:
+        run = dict(dtype=settings.torch_dtype(), device=settings.device, role=role, progress=settings.progress)
+        if task == CODE_TASK:
+            return evaluate_code(spec, code_settings, **run)[SWEEP_TASKS[task]]
+        return evaluate_choices(spec, task, task_settings, **run)[SWEEP_TASKS[task]]
 
     def task_scores(spec: str, role: str) -> dict[str, float] | None:
-        if not tasks:
-            return None
-        return {t: evaluate_choices(spec, t, task_settings, dtype=settings.torch_dtype(), device=settings.device,
-                                    role=role, progress=settings.progress)["acc"] for t in tasks}
+        return {t: task_score(spec, role, t) for t in tasks} if tasks else None
 
     stderr_console.print(f"[bold]sweep[/bold]: evaluating the source model {source}")
     src = evaluate_model(source, settings, role="source")
@@ -186,7 +197,11 @@ def sweep(
         "kept_models": keep,
     }
     if tasks:
+        result["task_scores"] = {t: SWEEP_TASKS[t] for t in tasks}  # what each task's number is
+    if set(tasks) & set(TASKS):
         result["task_settings"] = task_settings.to_dict()
+    if CODE_TASK in tasks:
+        result["code_settings"] = code_settings.to_dict()
     points = [(m, b) for m in methods for b in budgets]
     for method, budget in progress_bar(points, "budgets", enabled=settings.progress):
         target = models_dir / f"{method}-{budget:g}"

@@ -1,5 +1,5 @@
-"""transmla eval: perplexity and KV cache of a model (or passkey retrieval, --task passkey), alone or
-against its source, with a report."""
+"""transmla eval: perplexity and KV cache of a model (or a task: passkey retrieval, cloze, recall, code
+completion), alone or against its source, with a report."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from rich.table import Table
 from ..eval.report import compare_rows, write_compare_report
 from ..eval.evaluate import compare_report, evaluate_model
 from ..eval.choice_tasks import TASKS, ChoiceSettings
+from ..eval.code_task import TASK as CODE_TASK
+from ..eval.code_task import CodeSettings
 from ..eval.passkey import PasskeySettings
 from ..eval.settings import EvalSettings
 from ..progress import stderr_console
@@ -29,32 +31,30 @@ def evaluate(
     task: Annotated[str, Opt(help="perplexity | passkey (a 5-digit key hidden in filler text, found or not by "
                                   "the greedy answer, per prompt length x depth) | cloze (the true next sentence of "
                                   "held-out prose among others, by log-likelihood) | recall (where a person named "
-                                  "once before long filler lives, among the cities named).")] = "perplexity",
+                                  "once before long filler lives, among the cities named) | code (held-out Python "
+                                  "stdlib functions: the body's NLL per token, the greedy first line, the true body "
+                                  "among others).")] = "perplexity",
     *,
     as_json: JsonFlag = False,
     settings: dict,
 ) -> None:
     """Token-level perplexity, exp(mean NLL), over windows of the evaluation text, and the KV cache;
-    or passkey retrieval (--task passkey)."""
-    passkey = {k: settings.pop(k) for k in PASSKEY_FIELDS}
-    choice = {k: settings.pop(k) for k in CHOICE_FIELDS}
-    given = [k for k, v in choice.items() if v is not None]
-    if given and task not in TASKS:
-        raise ValueError(f"--{given[0].replace('_', '-')} applies to --task cloze or recall only")
-    if task in TASKS:
-        given = [k for k, v in passkey.items() if v is not None]
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} applies to --task passkey only")
-        return _choices(model, compare, task, as_json, EvalSettings(**settings | {"measure_tokens": 0}),
-                        ChoiceSettings(**{k: v for k, v in choice.items() if v is not None}))
-    if task == "passkey":
-        return _passkey(model, compare, report, as_json, EvalSettings(**settings | {"measure_tokens": 0}),
-                        PasskeySettings(**{k: v for k, v in passkey.items() if v is not None}))
+    or a task (--task passkey | cloze | recall | code)."""
+    if task not in ALL_TASKS:
+        raise ValueError(f"--task must be {either(ALL_TASKS)}, got {task!r}")
+    flags = {k: settings.pop(k) for k in TASK_FLAGS}
+    for k, v in flags.items():
+        if v is not None and task not in TASK_FLAGS[k]:
+            raise ValueError(f"--{k.replace('_', '-')} applies to --task {either(TASK_FLAGS[k])} only")
+    given = {k: v for k, v in flags.items() if v is not None}
     if task != "perplexity":
-        raise ValueError(f"--task must be perplexity, passkey, cloze or recall, got {task!r}")
-    given = [k for k, v in passkey.items() if v is not None]
-    if given:
-        raise ValueError(f"--{given[0].replace('_', '-')} applies to --task passkey only")
+        settings = EvalSettings(**settings | {"measure_tokens": 0})
+    if task in TASKS:
+        return _choices(model, compare, task, as_json, settings, ChoiceSettings(**given))
+    if task == CODE_TASK:
+        return _code(model, compare, as_json, settings, CodeSettings(**given))
+    if task == "passkey":
+        return _passkey(model, compare, report, as_json, settings, PasskeySettings(**given))
     if settings["measure_tokens"] is None:
         settings["measure_tokens"] = 64 if (compare or report) else 0
     settings = EvalSettings(**settings)
@@ -101,6 +101,11 @@ def evaluate(
         emit({k: v for k, v in flat.items() if k != "report_files"}, False, "perplexity")
     if files:
         stderr_console.print(f"[dim]report written to {report}: {', '.join(Path(p).name for p in files.values())}[/dim]")
+
+
+def either(names) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _passkey(model: str, compare: str | None, report: Path | None, as_json: bool, settings: EvalSettings,
@@ -155,6 +160,32 @@ def _choices(model: str, compare: str | None, task: str, as_json: bool, settings
     stdout.print(table)
 
 
+def _code(model: str, compare: str | None, as_json: bool, settings: EvalSettings, code: CodeSettings) -> None:
+    """transmla eval --task code: the held-out stdlib functions scored on the model (and its source)."""
+    from ..eval.code_task import evaluate_code
+
+    runs = ([(compare, "source")] if compare else []) + [(model, "converted" if compare else "model")]
+    entries = [evaluate_code(spec, code, dtype=settings.torch_dtype(), device=settings.device, role=role,
+                             progress=settings.progress) for spec, role in runs]
+    result = {"task": CODE_TASK, "settings": code.to_dict(), "dtype": settings.dtype, "models": entries}
+    if as_json:
+        emit(result, True, "")
+        return
+    choice = code.choices > 1
+    table = Table(title=f"transmla eval --task {CODE_TASK}", caption=(
+        f"{code.items} held-out Python {entries[0]['python']} stdlib functions, prompt: up to {code.context_tokens} "
+        f"tokens of module text + signature + docstring; nll: per body token (at most {code.body_tokens}); exact: "
+        "the greedy first body line" + (f"; acc: the true body among {code.choices} by log-likelihood "
+                                        f"(chance {1 / code.choices:.0%}), acc_norm: per character" if choice else "")),
+        caption_justify="left")
+    for h in ("model", "role", "nll", "exact", *(("acc", "acc_norm") if choice else ()), "seconds"):
+        table.add_column(h, style="bold" if h == "model" else None)
+    for e in entries:
+        table.add_row(e["model"], e["role"], f"{e['nll']:.4f}", f"{e['exact_match']:.1%}",
+                      *((f"{e['acc']:.1%}", f"{e['acc_norm']:.1%}") if choice else ()), f"{e['seconds']:.0f}")
+    stdout.print(table)
+
+
 # The protocol's flags; --measure-cache defaults to 64 with --compare/--report, else 0. The passkey
 # flags default to None (not given): --task perplexity refuses them, --task passkey fills in its defaults.
 EVAL_FLAGS = [
@@ -163,7 +194,13 @@ EVAL_FLAGS = [
     for f in schema_flags(EvalSettings)
 ]
 PASSKEY_FLAGS = schema_flags(PasskeySettings, unset_default=True)
-PASSKEY_FIELDS = [f.name for f in PASSKEY_FLAGS]
 CHOICE_FLAGS = schema_flags(ChoiceSettings, unset_default=True)
-CHOICE_FIELDS = [f.name for f in CHOICE_FLAGS]
-evaluate = with_flags(evaluate, merge_flags(EVAL_FLAGS, PASSKEY_FLAGS, CHOICE_FLAGS))
+CODE_FLAGS = schema_flags(CodeSettings, unset_default=True)
+ALL_TASKS = ("perplexity", "passkey", *TASKS, CODE_TASK)
+CODE_SHARED = {f.name for f in dataclasses.fields(CodeSettings)}
+# Each task's own flags -> the tasks they apply to (the code task shares the choice tasks' --items,
+# --choices, --context-tokens and --task-seed).
+TASK_FLAGS = ({f.name: ("passkey",) for f in PASSKEY_FLAGS}
+              | {f.name: TASKS + ((CODE_TASK,) if f.name in CODE_SHARED else ()) for f in CHOICE_FLAGS}
+              | {f.name: (CODE_TASK,) for f in CODE_FLAGS})
+evaluate = with_flags(evaluate, merge_flags(EVAL_FLAGS, PASSKEY_FLAGS, CHOICE_FLAGS, CODE_FLAGS))

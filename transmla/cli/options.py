@@ -115,10 +115,12 @@ def option_flags() -> dict[str, str]:
     from ..convert.options import COMMON_SCHEMAS
     from ..convert.registry import METHODS
     from ..eval.choice_tasks import ChoiceSettings
+    from ..eval.code_task import CodeSettings
     from ..eval.passkey import PasskeySettings
     from ..eval.settings import EvalSettings
 
-    schemas = (*COMMON_SCHEMAS, EvalSettings, PasskeySettings, ChoiceSettings, *(m.Options for m in METHODS.values()))
+    schemas = (*COMMON_SCHEMAS, EvalSettings, PasskeySettings, ChoiceSettings, CodeSettings,
+               *(m.Options for m in METHODS.values()))
     return {
         f.name: f.metadata.get("flag", flag_name(f.name))
         for s in schemas for f in dataclasses.fields(s) if "help" in f.metadata

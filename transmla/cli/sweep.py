@@ -10,12 +10,15 @@ from rich.table import Table
 
 from ..convert.options import CalibrationOptions
 from ..convert.registry import METHODS, budget_methods
-from ..eval.choice_tasks import ChoiceSettings
+from ..eval.choice_tasks import TASKS, ChoiceSettings
+from ..eval.code_task import TASK as CODE_TASK
+from ..eval.code_task import CodeSettings
 from ..eval.settings import EvalSettings
 from ..progress import stderr_console
 from ..sweep import SHAPE_SETTINGS, parse_budgets
 from ..sweep import sweep as run_sweep
 from .common import JsonFlag, emit, stdout
+from .evaluate import CODE_FLAGS, CODE_SHARED, TASK_FLAGS, either
 from .options import given, merge_flags, schema_flags, with_flags
 
 Opt = typer.Option
@@ -28,8 +31,9 @@ def sweep(
     method: Annotated[str, Opt(help=METHOD_HELP)] = "transmla",
     budgets: Annotated[str, Opt(help="Fractions of the source KV cache, comma-separated.")] = "0.5,0.25,0.125",
     keep: Annotated[bool, Opt("--keep", help="Keep the converted models under OUT/models/.")] = False,
-    tasks: Annotated[str, Opt(help="Also score every model on these multiple-choice tasks, comma-separated: "
-                                   "cloze, recall (see `transmla eval --task`); empty: perplexity only.")] = "",
+    tasks: Annotated[str, Opt(help="Also score every model on these tasks, comma-separated: cloze, recall "
+                                   "(accuracy), code (exact match of the greedy first line); see `transmla eval "
+                                   "--task`; empty: perplexity only.")] = "",
     *,
     as_json: JsonFlag = False,
     settings: dict,
@@ -37,13 +41,19 @@ def sweep(
     """Convert SOURCE at each KV budget, evaluate every model under one protocol, plot perplexity vs cache."""
     methods = [m.strip() for m in method.split(",") if m.strip()]
     eval_settings = EvalSettings(**{k: settings[k] for k in EVAL_FIELDS})
-    choice = {k: settings.pop(k) for k in CHOICE_FIELDS}
+    task_flags = given({k: settings.pop(k) for k in TASK_FIELDS})
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not task_list and any(v is not None for v in choice.values()):
-        raise ValueError(f"--{next(k for k, v in choice.items() if v is not None).replace('_', '-')} needs --tasks")
+    for k in task_flags:
+        if not task_list:
+            raise ValueError(f"--{k.replace('_', '-')} needs --tasks")
+        if not set(task_list) & set(TASK_FLAGS[k]):
+            raise ValueError(f"--{k.replace('_', '-')} applies to --tasks {either(TASK_FLAGS[k])} only")
+    choice = ChoiceSettings(**{k: v for k, v in task_flags.items() if k in CHOICE_FIELDS}) \
+        if set(task_list) & set(TASKS) else None
+    code = CodeSettings(**{k: v for k, v in task_flags.items() if k in CODE_SHARED}) if CODE_TASK in task_list else None
     overrides = given({k: v for k, v in settings.items() if k not in EVAL_FIELDS} | {"device": settings["device"]})
     result = run_sweep(source, methods, parse_budgets(budgets), out, eval_settings, overrides, keep=keep,
-                       tasks=task_list, task_settings=ChoiceSettings(**{k: v for k, v in choice.items() if v is not None}))
+                       tasks=task_list, task_settings=choice, code_settings=code)
     if as_json:
         emit(result, True, "")
         return
@@ -68,9 +78,11 @@ EVAL_FIELDS = {f.name for f in schema_flags(EvalSettings)}
 # Each method's own settings (its shape comes from --budgets) and the calibration, all "not given" by default.
 CHOICE_FLAGS = schema_flags(ChoiceSettings, unset_default=True)
 CHOICE_FIELDS = [f.name for f in CHOICE_FLAGS]
+TASK_FIELDS = CHOICE_FIELDS + [f.name for f in CODE_FLAGS]
 SWEEP_FLAGS = merge_flags(
     schema_flags(EvalSettings),
     CHOICE_FLAGS,
+    CODE_FLAGS,
     *(schema_flags(m.Options, unset_default=True, exclude=SHAPE_SETTINGS) for m in METHODS.values()),
     schema_flags(CalibrationOptions, unset_default=True, exclude={"device"}),
 )

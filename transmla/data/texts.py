@@ -30,6 +30,7 @@ __all__ = [
     "CALIB_FRACTION",
     "TextSourceError",
     "builtin_text",
+    "code_calib_files",
     "code_text",
     "gensim_test_data",
     "read_jsonl_rows",
@@ -147,13 +148,19 @@ def _stdlib_modules() -> list[Path]:
     return files
 
 
+def code_calib_files() -> list[Path]:
+    """The files of the calibration part of ``code``: the top-level modules a..m (eval/code_task.py
+    draws its held-out functions from everything else)."""
+    return [p for p in _stdlib_modules() if p.name[0] < CODE_EVAL_FROM]
+
+
 def code_text() -> tuple[str, str]:
     """The built-in ``code`` text as (calib, eval): the standard library's modules a..m joined by blank
     lines (ending with one) and modules n..z joined the same way. It depends on the Python version."""
     read = lambda p: p.read_text(encoding="utf-8", errors="replace")  # noqa: E731
-    files = _stdlib_modules()
-    calib = [read(p) for p in files if p.name[0] < CODE_EVAL_FROM]
-    ev = [read(p) for p in files if p.name[0] >= CODE_EVAL_FROM]
+    calib_files = code_calib_files()
+    calib = [read(p) for p in calib_files]
+    ev = [read(p) for p in _stdlib_modules() if p not in calib_files]
     return _FILE_SEP.join(calib) + _FILE_SEP, _FILE_SEP.join(ev)
 
 

@@ -41,11 +41,14 @@ CITIES = ("Lisbon", "Nairobi", "Oslo", "Lyon", "Osaka", "Prague", "Lima", "Warsa
 class ChoiceSettings:
     """The multiple-choice protocol (flags of `transmla eval --task cloze|recall`)."""
 
-    items: int = option(100, "cloze/recall: items (questions) scored.")
-    choices: int = option(4, "cloze/recall: candidates per item, one of them true.")
+    # items, choices, context_tokens and task_seed are also the code task's flags (eval/code_task.py).
+    items: int = option(100, "cloze/recall/code: items (questions, functions) scored (default: 100; code: 50).")
+    choices: int = option(4, "cloze/recall/code: candidates per item, one of them true (code: 1 skips the "
+                          "choice scoring).")
     context_tokens: int = option(1024, "cloze: tokens of passage before the sentence to choose (at most); "
-                                 "recall: tokens of filler between the facts and the question.")
-    task_seed: int = option(0, "cloze/recall: seed of the items.")
+                                 "recall: tokens of filler between the facts and the question; code: tokens of "
+                                 "module text before the function, at most (default: 1024; code: 512).")
+    task_seed: int = option(0, "cloze/recall/code: seed of the items.")
     texts: str = option("wiki,lee", "cloze/recall: built-in texts (their evaluation parts) or .txt files, comma-separated.")
 
     def __post_init__(self) -> None:
@@ -149,16 +152,22 @@ def candidate_loglik(net, context: Sequence[int], candidates: Sequence[Sequence[
     return out
 
 
+def choice_hits(ll: Sequence[float], answer: int, chars: Sequence[int]) -> tuple[bool, bool]:
+    """Whether the true candidate has the highest log-likelihood (acc), and per character (acc_norm)."""
+    norm = [v / n for v, n in zip(ll, chars)]
+    best = lambda values: max(range(len(values)), key=values.__getitem__)  # noqa: E731
+    return best(ll) == answer, best(norm) == answer
+
+
 def score_items(net, items: Sequence[ChoiceItem], progress: bool = False, label: str = "choices") -> dict[str, Any]:
     """acc (highest log-likelihood is the true candidate) and acc_norm (per character), over the items."""
     from ..progress import progress_bar
 
     acc = acc_norm = 0
     for item in progress_bar(items, label, enabled=progress):
-        ll = candidate_loglik(net, item.context, item.candidates)
-        acc += int(max(range(len(ll)), key=ll.__getitem__) == item.answer)
-        norm = [v / n for v, n in zip(ll, item.chars)]
-        acc_norm += int(max(range(len(norm)), key=norm.__getitem__) == item.answer)
+        hit, hit_norm = choice_hits(candidate_loglik(net, item.context, item.candidates), item.answer, item.chars)
+        acc += hit
+        acc_norm += hit_norm
     n = len(items)
     return {"items": n, "acc": acc / n, "acc_norm": acc_norm / n, "chance": 1 / len(items[0].candidates)}
 
@@ -189,4 +198,4 @@ def evaluate_choices(spec: str, task: str, settings: ChoiceSettings, dtype: torc
 
 
 __all__ = ["CITIES", "ChoiceItem", "ChoiceSettings", "SURNAMES", "TASKS", "build_items", "candidate_loglik",
-           "cloze_items", "evaluate_choices", "recall_items", "score_items"]
+           "choice_hits", "cloze_items", "evaluate_choices", "recall_items", "score_items"]

@@ -472,8 +472,8 @@ def render_sweep_markdown(sweep: Mapping[str, Any], plot: str | None = None) -> 
     p = sweep["protocol"]
     header = ["method", "setting", "budget", "KV el./token/layer", "cache fraction", "R (d_c)", "r (d_rope)",
               "perplexity", "vs source", "convert s (CPU s)", "eval s (CPU s)"]
-    tasks = list(src.get("tasks") or {})  # multiple-choice accuracies beside perplexity (sweep --tasks)
-    header[8:8] = [f"{t} acc" for t in tasks]
+    tasks = list(src.get("tasks") or {})  # task scores beside perplexity (sweep --tasks)
+    header[8:8] = [f"{t} {sweep.get('task_scores', {}).get(t, 'acc')}" for t in tasks]
     rows = [["source", src["attention"], "1", str(src["kv_elements_per_token_per_layer"]), "1", "–", "–",
              _ppl(src["perplexity"]), *(f"{src['tasks'][t]:.1%}" for t in tasks), "", "",
              _fmt_s(src.get("eval_seconds"), src.get("eval_cpu_seconds"))]]
