@@ -20,15 +20,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ..mla.attention import head_rms_norm
 from .layers import MLALayer, SourceAttention
-
-
-def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y [..., heads*d] -> weight * y / rms(y), the RMS over each head's d dims (fp32 math)."""
-    dtype = y.dtype
-    heads = y.unflatten(-1, (-1, weight.numel())).float()  # [..., heads, d]
-    heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * heads).flatten(-2).to(dtype)  # [..., heads*d]
 
 
 def source_inputs(src: SourceAttention, x: torch.Tensor) -> torch.Tensor:
@@ -77,4 +70,4 @@ def attach_pre_maps(layer: MLALayer, src: SourceAttention) -> MLALayer:
     )
 
 
-__all__ = ["attach_pre_maps", "head_rms_norm", "linear_source", "source_inputs"]
+__all__ = ["attach_pre_maps", "linear_source", "source_inputs"]

@@ -26,6 +26,19 @@ from .kernels.fused_rows import attend_rows
 from .latent_cache import cached_rows
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim (the RMS in fp32), as the source families' RMSNorms."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y [..., heads*d] -> rms_norm of each head's d dims (QK-norm), flat again [..., heads*d]."""
+    return rms_norm(y.unflatten(-1, (-1, weight.numel())), weight, eps).flatten(-2)
+
+
 class MLARMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -33,10 +46,7 @@ class MLARMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +97,7 @@ class MLAAttention(nn.Module):
 
     def _normed_heads(self, linear: nn.Linear, norm: MLARMSNorm, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> the source's normed heads norm(linear x) per head, flat [B, T, heads*d_s]."""
-        y = linear(x)  # [B, T, heads*d_s]
-        return norm(y.unflatten(-1, (-1, self.config.qk_norm_head_dim))).flatten(-2)
+        return head_rms_norm(linear(x), norm.weight, norm.eps)  # [B, T, heads*d_s]
 
     def _query_linear(self, x: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:
         """The last query linear (q_proj, or q_b_proj after q_a_proj and its norm) and its input."""
