@@ -153,6 +153,12 @@ def test_reload_inspect_and_exports_refuse(tiny_factory, tmp_path, cli):
     ids = _ids(3)
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, model(ids).logits, atol=0, rtol=0)
+    edited = json.loads((out / "config.json").read_text())  # a hand-edited config names the QK-norm fields
+    edited["mla"]["qk_norm_head_dim"] = 8
+    from transmla.checkpoint.shapes import describe_shape_mismatch
+
+    line = describe_shape_mismatch(out, AutoConfig.for_model(edited.pop("model_type"), **edited))
+    assert "self_attn.k_norm.weight is [16]" in line and "mla.qk_norm_head_dim = 8" in line, line
     code, stdout, _ = cli("inspect", out, "--json")
     assert code == 0 and "key norm is applied when a cache row is written" in json.loads(stdout)["qk_norm"]
     code, stdout, _ = cli("inspect", path, "--json")

@@ -102,8 +102,9 @@ class MLAConfig:
 
     def fields_of(self, module: str) -> dict[str, Any]:
         """The config fields that set the shape of an attention projection (its attribute name:
-        q_proj, kv_a_proj, ...), for errors that name them; empty for other modules."""
-        return {f: getattr(self, f) for f in SHAPE_FIELDS.get(module, ())}
+        q_proj, kv_a_proj, ...), for errors that name them; empty for other modules. The QK-norm
+        fields only where the model has QK-norm."""
+        return {f: getattr(self, f) for f in SHAPE_FIELDS.get(module, ()) if self.qk_norm or f not in _QK}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MLAConfig":
