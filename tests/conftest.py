@@ -21,6 +21,7 @@ TINY = dict(
 FAMILY_EXTRAS = {
     "llama": {},
     "qwen2": {},
+    "qwen3": {},
     "mistral": {"sliding_window": None},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
@@ -32,7 +33,7 @@ def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: 
 
     spec = FAMILIES[family]
     kwargs = {**TINY, **FAMILY_EXTRAS[family], **overrides}
-    if family == "llama" and bias:
+    if family in ("llama", "qwen3") and bias:
         kwargs["attention_bias"] = True
     config = getattr(transformers, spec.config_class)(**kwargs)
     torch.manual_seed(seed)

@@ -39,6 +39,9 @@ def mla_config(config, first: MLALayer, inv_freqs: list[list[float]], method: di
         kv_b_bias=first.kv_b_bias is not None,
         o_bias=first.o_bias is not None,
         rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        qk_norm_kv_heads=0 if first.k_norm is None else geo.num_kv_heads,
+        qk_norm_head_dim=0 if first.k_norm is None else geo.head_dim,
+        qk_norm_bias=first.k_pre_bias is not None,
         source={
             "model_type": config.model_type,
             "num_key_value_heads": geo.num_kv_heads,

@@ -5,7 +5,8 @@ second moment the methods need is linear-algebra on one small matrix per layer: 
 x the attention input (after the layer's input norm) and x_a = [x; 1], the key, value and
 query maps are linear in x_a, so E[(W x + b)(W x + b)^T] = [W b] E[x_a x_a^T] [W b]^T.
 The per-pair norm means (MHA2MLA's 2-norm score) are not second moments and are
-accumulated token by token when asked for.
+accumulated token by token when asked for. For a QK-norm source x is replaced by u = [q~; k~; x]
+(qk_norm.py), over which its maps are linear: the same holds with the gram of [u; 1].
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from .layers import MLALayer, SourceAttention, read_source_attention
 from .lowrank import with_bias_column
 from .assemble import mla_config
 from .options import PROPAGATIONS
+from .qk_norm import linear_source, source_inputs
 
 
 
 @dataclass
 class LayerStats:
-    gram: torch.Tensor  # [D+1, D+1] float64, mean over tokens of x_a x_a^T
+    gram: torch.Tensor  # [D+1, D+1] float64, mean over tokens of x_a x_a^T (of [u; 1] for QK-norm)
     tokens: int
     q_pair_norm: torch.Tensor | None = None  # [H, d/2] mean 2-norm of each query head's pair
     k_pair_norm: torch.Tensor | None = None  # [g, d/2]
@@ -48,8 +50,8 @@ class LayerStats:
 
 class _StatsAccumulator:
     def __init__(self, src: SourceAttention, pair_norms: bool, device) -> None:
-        D = src.geometry.hidden_size
-        self.src, self.pair_norms = src, pair_norms
+        self.source, self.src, self.pair_norms = src, linear_source(src), pair_norms
+        D = self.src.wq.shape[1]  # the width of x, or of u for a QK-norm source
         self.gram = torch.zeros(D + 1, D + 1, dtype=torch.float64, device=device)
         self.tokens = 0
         g = src.geometry
@@ -57,7 +59,7 @@ class _StatsAccumulator:
         self.k_norm = torch.zeros(g.num_kv_heads, g.head_dim // 2, dtype=torch.float64, device=device)
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1])  # [n, D]
+        x = source_inputs(self.source, x.reshape(-1, x.shape[-1]))  # [n, D] (u: [n, H*d + g*d + D])
         xa = torch.cat((x, x.new_ones(x.shape[0], 1)), dim=1).double()  # [n, D+1]
         self.gram += xa.T @ xa
         self.tokens += x.shape[0]

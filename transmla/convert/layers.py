@@ -27,22 +27,31 @@ class SourceAttention:
     bk: torch.Tensor | None = None  # [g*d]
     bv: torch.Tensor | None = None  # [g*d]
     bo: torch.Tensor | None = None  # [D]
+    # QK-norm (qk_norm.py): per-head RMSNorm weights on queries and keys, before RoPE.
+    q_norm: torch.Tensor | None = None  # [d]
+    k_norm: torch.Tensor | None = None  # [d]
+    norm_eps: float = 1e-6
 
     @classmethod
-    def from_tensors(cls, geometry, inv_freq, tensors: dict[str, torch.Tensor]) -> "SourceAttention":
-        """tensors: roles q, k, v, o and optional q_bias, k_bias, v_bias, o_bias (any dtype)."""
+    def from_tensors(cls, geometry, inv_freq, tensors: dict[str, torch.Tensor], norm_eps: float = 1e-6) -> "SourceAttention":
+        """tensors: roles q, k, v, o and optional q_bias, k_bias, v_bias, o_bias, q_norm, k_norm (any dtype)."""
         t = {k: v.to(torch.float32) for k, v in tensors.items()}
         g = geometry
         layer = cls(
             geometry, t["q"], t["k"], t["v"], t["o"], inv_freq.float(),
             t.get("q_bias"), t.get("k_bias"), t.get("v_bias"), t.get("o_bias"),
+            t.get("q_norm"), t.get("k_norm"), norm_eps,
         )
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            raise ValueError("a QK-norm source needs both q_norm and k_norm")
         expect = {
             "wq": (g.num_heads * g.head_dim, g.hidden_size),
             "wk": (g.num_kv_heads * g.head_dim, g.hidden_size),
             "wv": (g.num_kv_heads * g.head_dim, g.hidden_size),
             "wo": (g.hidden_size, g.num_heads * g.head_dim),
         }
+        if layer.q_norm is not None:
+            expect |= {"q_norm": (g.head_dim,), "k_norm": (g.head_dim,)}
         for name, shape in expect.items():
             got = tuple(getattr(layer, name).shape)
             if got != shape:
@@ -67,6 +76,14 @@ class MLALayer:
     # Optional low-rank query: q = q_b_proj(q_a_proj x) replaces q_proj.
     q_a_proj: torch.Tensor | None = None  # [d_q, D]
     q_b_proj: torch.Tensor | None = None  # [H*(d_nope+d_r), d_q]
+    # QK-norm pre-maps (qk_norm.py): q_proj / q_a_proj then read the normed query heads [H*d_s] and
+    # kv_a_proj reads [normed key heads | x] [g*d_s + D].
+    q_pre_proj: torch.Tensor | None = None  # [H*d_s, D] the source's q_proj
+    q_pre_bias: torch.Tensor | None = None  # [H*d_s]
+    q_norm: torch.Tensor | None = None  # [d_s]
+    k_pre_proj: torch.Tensor | None = None  # [g*d_s, D] the source's k_proj
+    k_pre_bias: torch.Tensor | None = None  # [g*d_s]
+    k_norm: torch.Tensor | None = None  # [d_s]
 
     def _parameter_fields(self) -> dict[str, str]:
         """MLAAttention's parameter name -> this dataclass's field, for this layer's query form."""
@@ -79,6 +96,9 @@ class MLALayer:
             "o_proj.weight": "o_proj",
             "o_proj.bias": "o_bias",
         }
+        if self.k_norm is not None:
+            names.update({"q_pre_proj.weight": "q_pre_proj", "q_pre_proj.bias": "q_pre_bias", "q_norm.weight": "q_norm",
+                          "k_pre_proj.weight": "k_pre_proj", "k_pre_proj.bias": "k_pre_bias", "k_norm.weight": "k_norm"})
         if self.q_a_proj is not None:
             names.update({"q_a_proj.weight": "q_a_proj", "q_b_proj.weight": "q_b_proj", "q_b_proj.bias": "q_bias"})
         else:
@@ -104,7 +124,8 @@ def read_source_attention(reader: SafetensorsReader, config, layer: int) -> Sour
     if missing:
         raise KeyError(f"source checkpoint lacks {missing[0]} (layer {layer})")
     inv_freq, _ = rope_inv_freq(config)
-    return SourceAttention.from_tensors(attention_geometry(config), inv_freq, {r: reader.get(n) for r, n in names.items()})
+    return SourceAttention.from_tensors(attention_geometry(config), inv_freq, {r: reader.get(n) for r, n in names.items()},
+                                        norm_eps=getattr(config, "rms_norm_eps", 1e-6))
 
 
 def source_layers(source_dir: Path, config) -> Iterator[SourceAttention]:

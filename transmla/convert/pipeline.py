@@ -29,6 +29,7 @@ from .layers import MLALayer, SourceAttention, source_layers
 from .method import ConversionMethod
 from .options import ConvertOptions
 from .output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, fit_layer
+from .qk_norm import attach_pre_maps, linear_source
 
 
 @dataclass
@@ -120,12 +121,14 @@ class LayerStream:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
 
     def _convert(self, index: int, src: SourceAttention, stats) -> MLALayer:
-        layer, info = self.method.convert_layer(self.plan, src, stats)
+        """The method sees a QK-norm source as its plain linear form (qk_norm.py)."""
+        linear = linear_source(src)
+        layer, info = self.method.convert_layer(self.plan, linear, stats)
         self.infos.append(info)
         if self.keep_stages:
-            for name, staged in self.method.stage_layers(self.plan, src, stats).items():
-                self.stages.setdefault(name, []).append(staged)
-        return layer
+            for name, staged in self.method.stage_layers(self.plan, linear, stats).items():
+                self.stages.setdefault(name, []).append(attach_pre_maps(staged, src))
+        return attach_pre_maps(layer, src)
 
     def _fit(self, index: int, layer: MLALayer, x: torch.Tensor, z: torch.Tensor) -> MLALayer:
         layer, info = fit_layer(self.config, layer, x, z, self.fit)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..families import AttentionGeometry, attention_geometry
+from ..families import FAMILIES, AttentionGeometry, attention_geometry
 from ..mla.config import MLAConfig
 from ..mla.model import is_mla_config, source_model_type
 
@@ -69,6 +69,9 @@ class KVSummary:
     latent: LatentShape | None = None  # an MLA model's
     converted_from: ConvertedFrom | None = None  # a converted (native MLA) model's
     context: int | None = None
+    # QK-norm (Qwen3): the source normalises query and key heads before RoPE; a converted model's
+    # cache write applies the key norm (only listed when True)
+    qk_norm: bool = False
 
     @property
     def method(self) -> str | None:
@@ -100,6 +103,9 @@ class KVSummary:
             info["head_dim"] = self.head_dim
         else:
             info.update(asdict(self.latent))
+        if self.qk_norm:
+            info["qk_norm"] = "per-head q/k RMSNorm before RoPE" + (
+                "; the key norm is applied when a cache row is written" if self.latent is not None else "")
         src = self.converted_from
         if src is not None:
             info.update(
@@ -144,9 +150,11 @@ def kv_summary(config, dtype: torch.dtype | None = None, context: int | None = N
                                   src.get("kv_elements_per_token_per_layer"))
         return KVSummary(**common, attention="MLA", kv_heads=1,
                          kv_elements_per_token_per_layer=mla.kv_elements_per_token_per_layer, latent=latent,
-                         converted_from=converted)
+                         converted_from=converted, qk_norm=mla.qk_norm)
+    family = FAMILIES.get(getattr(config, "model_type", ""))
     return KVSummary(**common, attention=geo.kind, kv_heads=geo.num_kv_heads,
-                     kv_elements_per_token_per_layer=geo.kv_elements_per_token_per_layer, head_dim=geo.head_dim)
+                     kv_elements_per_token_per_layer=geo.kv_elements_per_token_per_layer, head_dim=geo.head_dim,
+                     qk_norm=bool(family and family.qk_norm))
 
 
 def _cache_tensors(cache):

@@ -196,8 +196,16 @@ def deepseek_softmax_scale(rope_parameters: dict, qk_head_dim: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+# A QK-norm model (Qwen3): its cache rows need the source's per-KV-head key norm, which DeepSeek's
+# layout cannot write (its one kv_a_layernorm normalises the whole latent).
+QK_NORM = ("the model normalises each key head before RoPE (the source's k_norm, QK-norm); DeepSeek's format "
+           "has only a norm over the whole latent, so no DeepSeek or GGUF export is exact")
+
+
 def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) -> ExportPlan:
     mla = cfg["mla"]
+    if mla.get("qk_norm_kv_heads"):
+        raise ExportError(QK_NORM)
     family = family_for(cfg["model_type"][len(MODEL_TYPE_PREFIX):])
     H, d_r, d_c = mla["num_heads"], mla["qk_rope_head_dim"], mla["kv_lora_rank"]
     d_nope, d_v, D = mla["qk_nope_head_dim"], mla["v_head_dim"], mla["hidden_size"]
@@ -300,9 +308,11 @@ def _check_biases(any_bias: bool, options: ExportOptions) -> None:
 def check_source(config, options: ExportOptions) -> None:
     """What a source model (a transformers config) already decides about its DeepSeek export, checked
     before converting (`convert --format deepseek`) so that a refused export fails before the slow
-    part and writes nothing: attention biases for engines without them, the MoE router and the rope
+    part and writes nothing: QK-norm, attention biases for engines without them, the MoE router and the rope
     scaling per engine, an fp16 model. The rest (rope grid, latent width) is checked after."""
     family = family_for(config)
+    if family.qk_norm:
+        raise ExportError(QK_NORM)
     _check_biases(family.has_qkv_bias(config) or family.has_o_bias(config), options)
     cfg = config.to_dict()
     layers = int(cfg["num_hidden_layers"])

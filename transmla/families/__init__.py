@@ -1,6 +1,6 @@
 """Source model families. Everything model-specific lives here."""
 
-from . import llama, mistral, mixtral, qwen2
+from . import llama, mistral, mixtral, qwen2, qwen3
 from .base import (
     AttentionGeometry,
     Family,
@@ -9,14 +9,17 @@ from .base import (
     rope_inv_freq,
 )
 
-FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, mistral, mixtral)}
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, qwen3, mistral, mixtral)}
 
 
 def family_for(config_or_type) -> Family:
     """The family adapter for a transformers config (or model_type string)."""
     model_type = config_or_type if isinstance(config_or_type, str) else getattr(config_or_type, "model_type", None)
     if model_type in FAMILIES:
-        return FAMILIES[model_type]
+        family = FAMILIES[model_type]
+        if family.check is not None and not isinstance(config_or_type, str):
+            family.check(config_or_type)
+        return family
     raise UnsupportedArchitectureError(
         f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
     )

@@ -52,6 +52,11 @@ class Family:
     # names, where transformers converts them on load (Mixtral's per-expert weights).
     layer_weight_adapter: Callable[[dict], dict] | None = None
     moe: MoERouting | None = None  # sparse MoE MLP (None: dense)
+    # Per-head RMSNorms on queries and keys before RoPE (QK-norm): role (q_norm, k_norm) -> module
+    # name under the attention module; None: no QK-norm.
+    qk_norm: dict[str, str] | None = None
+    # Raises UnsupportedArchitectureError for a config of this family that transmla cannot convert.
+    check: Callable[[Any], None] | None = None
     notes: str = ""
 
     def decoder_layer(self, config, layer: int):
@@ -83,6 +88,8 @@ class Family:
             names.update({f"{r}_bias": f"{prefix}{self.projections[r]}.bias" for r in "qkv"})
         if self.has_o_bias(config):
             names["o_bias"] = f"{prefix}{self.projections['o']}.bias"
+        if self.qk_norm:
+            names.update({role: f"{prefix}{module}.weight" for role, module in self.qk_norm.items()})
         return names
 
     def attention_prefix(self, layer: int) -> str:

@@ -9,6 +9,9 @@ kv_b_proj = per head [W_UK[h]; W_UV[h]]. Two equal ways to attend (which one run
   o_lat = sum_t p_t c_t, out_h = W_UV[h] o_lat — MQA over the latent, nothing expanded.
   For many tokens at once (prefill) W_UK is folded into the query projection and W_UV into o_proj
   (``_folds``): one linear gives [q_lat | q_rope] per head, one linear maps o_lat to the output.
+QK-norm (config.qk_norm): the query linears read q~ = q_norm(q_pre_proj x) per head and kv_a_proj
+reads [k~ | x] with k~ = k_norm(k_pre_proj x) per KV head: only how a cache row is computed changes,
+not how it is read.
 """
 
 from __future__ import annotations
@@ -23,6 +26,19 @@ from .kernels.fused_rows import attend_rows
 from .latent_cache import cached_rows
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim (the RMS in fp32), as the source families' RMSNorms."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y [..., heads*d] -> rms_norm of each head's d dims (QK-norm), flat again [..., heads*d]."""
+    return rms_norm(y.unflatten(-1, (-1, weight.numel())), weight, eps).flatten(-2)
+
+
 class MLARMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -30,10 +46,7 @@ class MLARMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -50,13 +63,20 @@ class MLAAttention(nn.Module):
         c = config
         H, D = c.num_heads, c.hidden_size
         q_out = H * c.qk_head_dim
+        if c.qk_norm:
+            d_s = c.qk_norm_head_dim
+            self.q_pre_proj = nn.Linear(D, H * d_s, bias=c.qk_norm_bias)
+            self.q_norm = MLARMSNorm(d_s, c.rms_norm_eps)
+            self.k_pre_proj = nn.Linear(D, c.qk_norm_kv_heads * d_s, bias=c.qk_norm_bias)
+            self.k_norm = MLARMSNorm(d_s, c.rms_norm_eps)
+        q_in = c.query_input_size
         if c.q_lora_rank:
-            self.q_a_proj = nn.Linear(D, c.q_lora_rank, bias=False)
+            self.q_a_proj = nn.Linear(q_in, c.q_lora_rank, bias=False)
             self.q_a_norm = MLARMSNorm(c.q_lora_rank, c.rms_norm_eps) if c.q_a_norm else None
             self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=c.q_bias)
         else:
-            self.q_proj = nn.Linear(D, q_out, bias=c.q_bias)
-        self.kv_a_proj = nn.Linear(D, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.kv_a_bias)
+            self.q_proj = nn.Linear(q_in, q_out, bias=c.q_bias)
+        self.kv_a_proj = nn.Linear(c.kv_input_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.kv_a_bias)
         self.kv_a_norm = MLARMSNorm(c.kv_lora_rank, c.rms_norm_eps) if c.kv_a_norm else None
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), bias=c.kv_b_bias)
         self.o_proj = nn.Linear(H * c.v_head_dim, D, bias=c.o_bias)
@@ -75,8 +95,14 @@ class MLAAttention(nn.Module):
         scale = self.config.rope_attention_scaling
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
+    def _normed_heads(self, linear: nn.Linear, norm: MLARMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> the source's normed heads norm(linear x) per head, flat [B, T, heads*d_s]."""
+        return head_rms_norm(linear(x), norm.weight, norm.eps)  # [B, T, heads*d_s]
+
     def _query_linear(self, x: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:
         """The last query linear (q_proj, or q_b_proj after q_a_proj and its norm) and its input."""
+        if self.config.qk_norm:
+            x = self._normed_heads(self.q_pre_proj, self.q_norm, x)  # [B, T, H*d_s]
         if self.config.q_lora_rank:
             q = self.q_a_proj(x)
             if self.q_a_norm is not None:
@@ -90,6 +116,8 @@ class MLAAttention(nn.Module):
 
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> latent c [B, T, d_c] and un-rotated rope key [B, T, d_r]."""
+        if self.config.qk_norm:  # the source's normed keys first: [k~ | x] [B, T, g*d_s + D]
+            x = torch.cat((self._normed_heads(self.k_pre_proj, self.k_norm, x), x), dim=-1)
         kv = self.kv_a_proj(x)
         latent, k_rope = kv.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
         if self.kv_a_norm is not None:
@@ -226,7 +254,7 @@ class MLAAttention(nn.Module):
         feature costs in einsums, and pays when the folded linears are no wider than the ones they
         replace (d_c <= d_nope, d_c <= d_v: no more work per token, no per-head einsum or concatenation)."""
         c = self.config
-        return (q_len > c.absorb_max_query_tokens and batch * q_len >= c.hidden_size and not self.training
+        return (q_len > c.absorb_max_query_tokens and batch * q_len >= c.query_input_size and not self.training
                 and c.kv_lora_rank <= c.qk_nope_head_dim and c.kv_lora_rank <= c.v_head_dim)
 
     def _absorbed_folded(self, x, cos, sin, rows, mask) -> torch.Tensor:

@@ -3,6 +3,10 @@
 Notation (ALGORITHMS.md): H heads, d_c = kv_lora_rank (latent), d_r = qk_rope_head_dim (the one
 shared rope key), d_nope = qk_nope_head_dim, d_v = v_head_dim, d_q = q_lora_rank.
 Cache per token per layer: d_c + d_r elements.
+QK-norm sources (qk_norm, ALGORITHMS.md "QK-norm"): g = qk_norm_kv_heads source KV heads of d_s =
+qk_norm_head_dim dims. The query side reads q~ = q_norm(q_pre_proj x) per head [H*d_s] instead of x;
+the cache write computes the source's normed keys k~ = k_norm(k_pre_proj x) per KV head [g*d_s] and
+kv_a_proj reads [k~ | x].
 """
 
 from __future__ import annotations
@@ -12,11 +16,16 @@ from typing import Any
 
 
 # Attention projection (attribute name) -> the MLAConfig fields its weight's shape comes from.
+_QK = ("qk_norm_kv_heads", "qk_norm_head_dim")
 SHAPE_FIELDS = {
-    "q_proj": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "hidden_size"),
-    "q_a_proj": ("q_lora_rank", "hidden_size"),
+    "q_proj": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "hidden_size", *_QK),
+    "q_a_proj": ("q_lora_rank", "hidden_size", *_QK),
     "q_b_proj": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "q_lora_rank"),
-    "kv_a_proj": ("kv_lora_rank", "qk_rope_head_dim", "hidden_size"),
+    "kv_a_proj": ("kv_lora_rank", "qk_rope_head_dim", "hidden_size", *_QK),
+    "q_pre_proj": ("num_heads", "qk_norm_head_dim", "hidden_size"),
+    "k_pre_proj": ("qk_norm_kv_heads", "qk_norm_head_dim", "hidden_size"),
+    "q_norm": ("qk_norm_head_dim",),
+    "k_norm": ("qk_norm_head_dim",),
     "kv_a_norm": ("kv_lora_rank",),
     "kv_b_proj": ("num_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"),
     "o_proj": ("hidden_size", "num_heads", "v_head_dim"),
@@ -43,6 +52,11 @@ class MLAConfig:
     kv_b_bias: bool = False
     o_bias: bool = False
     rms_norm_eps: float = 1e-6
+    # QK-norm pre-maps (module docstring): 0 KV heads = none. The source's q/k biases (before the
+    # norm) ride on the pre-maps when qk_norm_bias.
+    qk_norm_kv_heads: int = 0
+    qk_norm_head_dim: int = 0
+    qk_norm_bias: bool = False
     # "auto": absorbed decode for short queries over a cache, expanded K/V otherwise.
     decode: str = "auto"
     absorb_max_query_tokens: int = 8
@@ -66,6 +80,20 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def qk_norm(self) -> bool:
+        return self.qk_norm_kv_heads > 0
+
+    @property
+    def query_input_size(self) -> int:
+        """Width of what q_proj / q_a_proj read: x [D], or the normed query heads [H*d_s]."""
+        return self.num_heads * self.qk_norm_head_dim if self.qk_norm else self.hidden_size
+
+    @property
+    def kv_input_size(self) -> int:
+        """Width of what kv_a_proj reads: x [D], or [normed key heads | x] [g*d_s + D]."""
+        return self.qk_norm_kv_heads * self.qk_norm_head_dim + self.hidden_size if self.qk_norm else self.hidden_size
+
+    @property
     def kv_elements_per_token_per_layer(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
@@ -74,8 +102,9 @@ class MLAConfig:
 
     def fields_of(self, module: str) -> dict[str, Any]:
         """The config fields that set the shape of an attention projection (its attribute name:
-        q_proj, kv_a_proj, ...), for errors that name them; empty for other modules."""
-        return {f: getattr(self, f) for f in SHAPE_FIELDS.get(module, ())}
+        q_proj, kv_a_proj, ...), for errors that name them; empty for other modules. The QK-norm
+        fields only where the model has QK-norm."""
+        return {f: getattr(self, f) for f in SHAPE_FIELDS.get(module, ()) if self.qk_norm or f not in _QK}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MLAConfig":
