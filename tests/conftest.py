@@ -22,6 +22,7 @@ FAMILY_EXTRAS = {
     "llama": {},
     "qwen2": {},
     "qwen3": {},
+    "gemma3_text": {},
     "mistral": {"sliding_window": None},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
@@ -33,7 +34,7 @@ def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: 
 
     spec = FAMILIES[family]
     kwargs = {**TINY, **FAMILY_EXTRAS[family], **overrides}
-    if family in ("llama", "qwen3") and bias:
+    if family in ("llama", "qwen3", "gemma3_text") and bias:
         kwargs["attention_bias"] = True
     config = getattr(transformers, spec.config_class)(**kwargs)
     torch.manual_seed(seed)
@@ -47,6 +48,48 @@ def make_tiny_model(family: str, path: Path | None = None, seed: int = 0, bias: 
     if path is not None:
         model.save_pretrained(path)
     return model
+
+
+def random_ids(seed=0, batch=2, length=24, vocab=97) -> torch.Tensor:
+    """Token ids [batch, length] below `vocab` (the tiny models' vocabulary), seeded."""
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_logits_close(got, want, rel=1e-5):
+    """Equal to `rel` relative to the logits' scale (fp32)."""
+    torch.testing.assert_close(got, want, atol=rel * float(want.abs().max()), rtol=rel)
+
+
+def perplexity(model, ids) -> float:
+    """exp(mean next-token NLL) of `model` on ids [B, T]."""
+    import math
+
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1]
+    return math.exp(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))))
+
+
+def assert_kernel_decode_equals_source(model, source, ids, prompt: int, steps: int) -> None:
+    """Greedy decode of ids[:, :prompt] for `steps` tokens through the MLA model's latent cache: the
+    absorbed decode runs in the CPU C kernel and every step's logits equal the source's (fp32, 1e-5)."""
+    from transmla.mla.kernels import cpu_decode
+
+    calls, original = [], cpu_decode.decode_kernel
+
+    def counted(*shape):
+        calls.append(shape)
+        return original(*shape)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_decode, "decode_kernel", counted)
+        gen = model.generate(ids[:, :prompt], max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        ref = source(gen.sequences).logits
+    assert calls and original(*calls[0]) is not None  # the absorbed decode ran in the C kernel
+    for step, logits in enumerate(gen.logits):
+        assert_logits_close(logits, ref[:, prompt - 1 + step])
 
 
 def word_level_tokenizer(vocab: list[str], path: Path | None = None, digits: bool = False, decoder: str = "wordpiece"):

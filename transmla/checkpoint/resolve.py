@@ -1,7 +1,7 @@
 """Turn a model argument into a local Hugging Face folder, and load models from it.
 
 A model argument is one of: a local Hugging Face folder, a .gguf file, a built-in name
-(`smollm2-135m`, `qwen2.5-coder-1.5b`: builtin.py), or a hub id (fetched with huggingface_hub
+(`smollm2-135m`, `qwen2.5-coder-1.5b`, `gemma3-270m`: builtin.py), or a hub id (fetched with huggingface_hub
 where a hub is reachable). GGUF files are dequantized once, one tensor at a time, and cached as a
 Hugging Face folder (fp32 safetensors: gguf_source.py).
 """

@@ -26,7 +26,7 @@ from .sweep import sweep
 
 app = typer.Typer(
     name="transmla",
-    help="Convert MHA/GQA Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral, Mixtral) into Multi-head Latent "
+    help="Convert MHA/GQA Hugging Face checkpoints (Llama, Qwen2, Qwen3, Gemma 3, Mistral, Mixtral) into Multi-head Latent "
     "Attention, evaluate them (perplexity, KV-cache size, decode speed) and fine-tune them briefly.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

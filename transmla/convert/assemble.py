@@ -8,20 +8,27 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.reader import SafetensorsReader
-from ..families import attention_geometry, family_for, rope_inv_freq
+from ..families import UnsupportedArchitectureError, attention_geometry, family_for
 from ..mla.config import MLAConfig
 from ..mla.model import build_mla_model, mla_config_for
 from .layers import MLALayer
 
 
-def mla_config(config, first: MLALayer, inv_freqs: list[list[float]], method: dict) -> MLAConfig:
-    """The MLAConfig of a model whose layers have `first`'s shapes and these per-layer rope frequencies."""
+def mla_config(config, first: MLALayer, inv_freqs: list[list[float]], method: dict,
+               source_layers: list[int] | None = None) -> MLAConfig:
+    """The MLAConfig of a model whose layers have `first`'s shapes and these per-layer rope frequencies;
+    source_layers: the source layer of each (default: 0, 1, ...), whose window and rope scale they keep."""
     geo = attention_geometry(config)
+    family = family_for(config)
+    source_layers = list(range(len(inv_freqs))) if source_layers is None else source_layers
+    scalings = {family.rope(config, i)[1] for i in source_layers}
+    if len(scalings) > 1:
+        raise UnsupportedArchitectureError(f"layers with different rope attention scalings {sorted(scalings)} are not supported")
+    windows = [family.window(config, i) or 0 for i in source_layers]
     d_r = 2 * first.rope_inv_freq.numel()
     d_c = first.kv_a_proj.shape[0] - d_r
     H = geo.num_heads
     q_out = (first.q_b_proj if first.q_a_proj is not None else first.q_proj).shape[0]
-    _, scaling = rope_inv_freq(config)
     return MLAConfig(
         num_heads=H,
         hidden_size=geo.hidden_size,
@@ -29,9 +36,9 @@ def mla_config(config, first: MLALayer, inv_freqs: list[list[float]], method: di
         qk_rope_head_dim=d_r,
         qk_nope_head_dim=q_out // H - d_r,
         v_head_dim=first.o_proj.shape[1] // H,
-        softmax_scale=geo.head_dim**-0.5,  # the source's scale, kept exactly
+        softmax_scale=family.scale(config),  # the source's scale, kept exactly
         rope_inv_freq=inv_freqs,
-        rope_attention_scaling=scaling,
+        rope_attention_scaling=scalings.pop(),
         q_lora_rank=None if first.q_a_proj is None else first.q_a_proj.shape[0],
         kv_a_norm=first.kv_a_norm is not None,
         q_bias=first.q_bias is not None,
@@ -42,6 +49,8 @@ def mla_config(config, first: MLALayer, inv_freqs: list[list[float]], method: di
         qk_norm_kv_heads=0 if first.k_norm is None else geo.num_kv_heads,
         qk_norm_head_dim=0 if first.k_norm is None else geo.head_dim,
         qk_norm_bias=first.k_pre_bias is not None,
+        qk_norm_offset=0.0 if first.k_norm is None else family.qk_norm_offset,
+        sliding_windows=windows if any(windows) else [],
         source={
             "model_type": config.model_type,
             "num_key_value_heads": geo.num_kv_heads,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..checkpoint.finite import require_finite
 from ..checkpoint.reader import SafetensorsReader
-from ..families import attention_geometry, family_for, rope_inv_freq
+from ..families import attention_geometry, family_for
 from ..mla.attention import MLAAttention
 from ..progress import progress_bar
 from .layers import MLALayer, SourceAttention, read_source_attention
@@ -29,6 +29,7 @@ from .lowrank import with_bias_column
 from .assemble import mla_config
 from .options import PROPAGATIONS
 from .qk_norm import linear_source, source_inputs
+from ..mla.window import sliding_window
 
 
 
@@ -79,12 +80,19 @@ class _StatsAccumulator:
         )
 
 
-def _rope_cos_sin(config, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The source model's full-head cos/sin [1, T, d], as its rotary embedding computes them."""
-    inv_freq, scale = rope_inv_freq(config)
+def _rope_cos_sin(config, layer: int, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source layer's full-head cos/sin [1, T, d], as its rotary embedding computes them."""
+    inv_freq, scale = family_for(config).rope(config, layer)
     freqs = torch.arange(seq_len, device=device).float()[:, None] * inv_freq.to(device)[None]  # [T, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)[None]
     return emb.cos() * scale, emb.sin() * scale
+
+
+def _layer_mask(config, layer: int, seq_len: int, device) -> torch.Tensor | None:
+    """The source layer's attention mask over a whole sequence: None (causal) or, for a sliding-window
+    layer shorter than the sequence, the bool band [1, 1, T, T] (True = attend)."""
+    window = family_for(config).window(config, layer)
+    return None if not window else sliding_window(None, seq_len, seq_len, window, device)[1]
 
 
 def _load_decoder_layer(reader: SafetensorsReader, config, layer: int, device):
@@ -96,10 +104,11 @@ def _load_decoder_layer(reader: SafetensorsReader, config, layer: int, device):
     return module.float().to(device).eval()
 
 
-def mla_attention(config, layer: MLALayer, device) -> MLAAttention:
-    """A standalone MLAAttention holding one converted layer (its frequencies at index 0), in the
-    expanded form: the output fit reads o_proj's input and trains through it."""
-    mla = mla_config(config, layer, [layer.rope_inv_freq.tolist()], {})
+def mla_attention(config, layer: MLALayer, device, index: int = 0) -> MLAAttention:
+    """A standalone MLAAttention holding one converted layer, source layer `index` (its frequencies
+    and window at index 0), in the expanded form: the output fit reads o_proj's input and trains
+    through it."""
+    mla = mla_config(config, layer, [layer.rope_inv_freq.tolist()], {}, source_layers=[index])
     mla.decode = "expanded"
     attn = MLAAttention(mla, 0)
     attn.load_state_dict({k: v.float() for k, v in layer.state_dict("").items()}, strict=True)
@@ -139,12 +148,12 @@ def calibrated_layers(
     geo = attention_geometry(config)
     with torch.inference_mode(), SafetensorsReader(source_dir) as reader:
         embed = reader.get(family.embed_name).float().to(device)  # [V, D], read once for every stream
-        streams = []  # (hidden [N, T, D], cos, sin, position_ids): the calibration sequences, then the fit's
+        embed_scale = torch.tensor(family.embedding_scale(config), dtype=embed.dtype)  # as the source casts it
+        streams = []  # (hidden [N, T, D], position_ids): the calibration sequences, then the fit's
         for token_ids in [calib_ids] + ([fit_ids] if fit_layer is not None else []):
             token_ids = token_ids.to(device)
-            cos, sin = _rope_cos_sin(config, token_ids.shape[1], device)
             position_ids = torch.arange(token_ids.shape[1], device=device)[None]
-            streams.append((F.embedding(token_ids, embed), cos, sin, position_ids))
+            streams.append((F.embedding(token_ids, embed) * embed_scale.to(device), position_ids))
         del embed
         hidden = streams[0][0]  # the statistics' stream
         for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
@@ -156,25 +165,26 @@ def calibrated_layers(
             stats = acc.result()
             require_finite(stats.gram, f"layer {i}'s calibration statistics")
             converted = convert_layer(i, src, stats)
+            views = [(_rope_cos_sin(config, i, h.shape[1], device), _layer_mask(config, i, h.shape[1], device)) for h, _ in streams]
             if fit_layer is not None:
-                x, z = _source_attention_io(layer, *streams[1], batch_size)
+                x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1], batch_size)
                 with torch.inference_mode(False):
                     converted = fit_layer(i, converted, x.clone(), z.clone())
             yield converted
             if propagate == "converted":
-                layer.self_attn = mla_attention(config, converted, device)
-            for h_all, h_cos, h_sin, h_pos in streams:
+                layer.self_attn = mla_attention(config, converted, device, i)
+            for (h_all, h_pos), (cos_sin, mask) in zip(streams, views):
                 for start in range(0, h_all.shape[0], batch_size):
                     h = h_all[start : start + batch_size]
-                    out = layer(h, attention_mask=None, position_ids=h_pos, position_embeddings=(h_cos, h_sin))
+                    out = layer(h, attention_mask=mask, position_ids=h_pos, position_embeddings=cos_sin)
                     h_all[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
             del layer
 
 
-def _source_attention_io(layer, hidden, cos, sin, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D]."""
     x = torch.cat([layer.input_layernorm(hidden[s : s + batch_size]) for s in range(0, hidden.shape[0], batch_size)])
-    z = torch.cat([layer.self_attn(x[s : s + batch_size], position_embeddings=(cos, sin), attention_mask=None,
+    z = torch.cat([layer.self_attn(x[s : s + batch_size], position_embeddings=cos_sin, attention_mask=mask,
                                    position_ids=position_ids)[0] for s in range(0, x.shape[0], batch_size)])
     return x, z
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.reader import SafetensorsReader
-from ..families import AttentionGeometry, attention_geometry, family_for, rope_inv_freq
+from ..families import AttentionGeometry, attention_geometry, family_for
 
 
 @dataclass
@@ -31,16 +31,18 @@ class SourceAttention:
     q_norm: torch.Tensor | None = None  # [d]
     k_norm: torch.Tensor | None = None  # [d]
     norm_eps: float = 1e-6
+    norm_offset: float = 0.0  # the norms multiply by (norm_offset + weight) (Gemma: 1)
 
     @classmethod
-    def from_tensors(cls, geometry, inv_freq, tensors: dict[str, torch.Tensor], norm_eps: float = 1e-6) -> "SourceAttention":
+    def from_tensors(cls, geometry, inv_freq, tensors: dict[str, torch.Tensor], norm_eps: float = 1e-6,
+                     norm_offset: float = 0.0) -> "SourceAttention":
         """tensors: roles q, k, v, o and optional q_bias, k_bias, v_bias, o_bias, q_norm, k_norm (any dtype)."""
         t = {k: v.to(torch.float32) for k, v in tensors.items()}
         g = geometry
         layer = cls(
             geometry, t["q"], t["k"], t["v"], t["o"], inv_freq.float(),
             t.get("q_bias"), t.get("k_bias"), t.get("v_bias"), t.get("o_bias"),
-            t.get("q_norm"), t.get("k_norm"), norm_eps,
+            t.get("q_norm"), t.get("k_norm"), norm_eps, norm_offset,
         )
         if (layer.q_norm is None) != (layer.k_norm is None):
             raise ValueError("a QK-norm source needs both q_norm and k_norm")
@@ -123,9 +125,9 @@ def read_source_attention(reader: SafetensorsReader, config, layer: int) -> Sour
     missing = [n for n in names.values() if n not in reader]
     if missing:
         raise KeyError(f"source checkpoint lacks {missing[0]} (layer {layer})")
-    inv_freq, _ = rope_inv_freq(config)
+    inv_freq, _ = family.rope(config, layer)
     return SourceAttention.from_tensors(attention_geometry(config), inv_freq, {r: reader.get(n) for r, n in names.items()},
-                                        norm_eps=getattr(config, "rms_norm_eps", 1e-6))
+                                        norm_eps=getattr(config, "rms_norm_eps", 1e-6), norm_offset=family.qk_norm_offset)
 
 
 def source_layers(source_dir: Path, config) -> Iterator[SourceAttention]:

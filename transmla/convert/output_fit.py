@@ -162,16 +162,17 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
 
 
 def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
-              settings: FitSettings) -> tuple[MLALayer, dict]:
+              settings: FitSettings, index: int = 0) -> tuple[MLALayer, dict]:
     """One converted layer fitted to the source attention's output.
 
     config: the source's; layer: the method's MLA layer; x [N, T, D]: the fit sequences' attention
     input (float32, not inference tensors); z [N, T, D]: the source attention's output on x.
+    index: the source layer (its sliding window, if any, applies).
     Returns the fitted layer (same shapes) and {"output_error": [before, after]} (relative, on x), with
     "fit_lr", Adam's learning rate after any backoff, when Adam ran.
     """
     N, T, _ = x.shape
-    attn = mla_attention(config, layer, x.device)  # float32
+    attn = mla_attention(config, layer, x.device, index)  # float32
     batch = max(1, MINIBATCH_TOKENS // T)  # sequences per forward
     position_ids = torch.arange(T, device=x.device)[None]
     attn.eval()  # the expanded path, differentiable; no cache

@@ -131,7 +131,7 @@ class LayerStream:
         return attach_pre_maps(layer, src)
 
     def _fit(self, index: int, layer: MLALayer, x: torch.Tensor, z: torch.Tensor) -> MLALayer:
-        layer, info = fit_layer(self.config, layer, x, z, self.fit)
+        layer, info = fit_layer(self.config, layer, x, z, self.fit, index)
         self.infos[index] = {**self.infos[index], **info}
         return layer
 

@@ -29,8 +29,8 @@ def source_inputs(src: SourceAttention, x: torch.Tensor) -> torch.Tensor:
     if src.k_norm is None:
         return x
     bias = lambda b: None if b is None else b.to(x)  # noqa: E731
-    q = head_rms_norm(F.linear(x, src.wq.to(x), bias(src.bq)), src.q_norm.to(x), src.norm_eps)  # [n, H*d]
-    k = head_rms_norm(F.linear(x, src.wk.to(x), bias(src.bk)), src.k_norm.to(x), src.norm_eps)  # [n, g*d]
+    q = head_rms_norm(F.linear(x, src.wq.to(x), bias(src.bq)), src.q_norm.to(x), src.norm_eps, src.norm_offset)  # [n, H*d]
+    k = head_rms_norm(F.linear(x, src.wk.to(x), bias(src.bk)), src.k_norm.to(x), src.norm_eps, src.norm_offset)  # [n, g*d]
     return torch.cat((q, k, x), dim=-1)
 
 

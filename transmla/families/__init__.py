@@ -1,6 +1,6 @@
 """Source model families. Everything model-specific lives here."""
 
-from . import llama, mistral, mixtral, qwen2, qwen3
+from . import gemma3, llama, mistral, mixtral, qwen2, qwen3
 from .base import (
     AttentionGeometry,
     Family,
@@ -9,7 +9,7 @@ from .base import (
     rope_inv_freq,
 )
 
-FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, qwen3, mistral, mixtral)}
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, qwen3, mistral, mixtral, gemma3)}
 
 
 def family_for(config_or_type) -> Family:

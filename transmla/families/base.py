@@ -55,9 +55,35 @@ class Family:
     # Per-head RMSNorms on queries and keys before RoPE (QK-norm): role (q_norm, k_norm) -> module
     # name under the attention module; None: no QK-norm.
     qk_norm: dict[str, str] | None = None
+    # The QK-norm weight w multiplies as (offset + w), in fp32 before the cast back (Gemma: 1.0);
+    # 0.0: w * x cast first (Llama-style RMSNorm, Qwen3).
+    qk_norm_offset: float = 0.0
     # Raises UnsupportedArchitectureError for a config of this family that transmla cannot convert.
     check: Callable[[Any], None] | None = None
+    # Per-layer attention specifics, for families whose layers differ or whose attention is not
+    # Llama's (None: the Llama defaults): (config, layer) -> (inverse frequencies [d/2], cos/sin
+    # scale); config -> softmax scale; (config, layer) -> sliding window (None: every token);
+    # config -> the factor on the embedding output.
+    layer_rope: Callable[[Any, int], tuple[torch.Tensor, float]] | None = None
+    softmax_scale: Callable[[Any], float] | None = None
+    layer_window: Callable[[Any, int], int | None] | None = None
+    embed_scale: Callable[[Any], float] | None = None
     notes: str = ""
+
+    def rope(self, config, layer: int) -> tuple[torch.Tensor, float]:
+        """Layer `layer`'s per-pair inverse frequencies [d/2] (fp32) and cos/sin scale."""
+        return self.layer_rope(config, layer) if self.layer_rope else rope_inv_freq(config)
+
+    def scale(self, config) -> float:
+        """The source's softmax scale (1/sqrt(head_dim) unless the family says otherwise)."""
+        return self.softmax_scale(config) if self.softmax_scale else attention_geometry(config).head_dim**-0.5
+
+    def window(self, config, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (keys within the last `window` positions), None for all."""
+        return self.layer_window(config, layer) if self.layer_window else None
+
+    def embedding_scale(self, config) -> float:
+        return self.embed_scale(config) if self.embed_scale else 1.0
 
     def decoder_layer(self, config, layer: int):
         """An empty (meta-free, CPU) decoder layer module of this family."""
@@ -142,14 +168,17 @@ def rope_parameters(config) -> dict:
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Per-pair inverse frequencies [d/2] (fp32) and the cos/sin scale, as transformers computes them.
 
-    Pair i is dims (i, i + d/2) of a head (rotate-half layout).
+    Pair i is dims (i, i + d/2) of a head (rotate-half layout). layer_type: for configs whose
+    rope_parameters hold one entry per layer type (Gemma 3: sliding_attention, full_attention).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = rope_parameters(config)
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in _DYNAMIC_ROPE:
         raise UnsupportedArchitectureError(
@@ -164,5 +193,6 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
         return inv_freq.float(), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedArchitectureError(f"unknown rope type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)

@@ -12,6 +12,9 @@ kv_b_proj = per head [W_UK[h]; W_UV[h]]. Two equal ways to attend (which one run
 QK-norm (config.qk_norm): the query linears read q~ = q_norm(q_pre_proj x) per head and kv_a_proj
 reads [k~ | x] with k~ = k_norm(k_pre_proj x) per KV head: only how a cache row is computed changes,
 not how it is read.
+Sliding windows (config.sliding_windows): a layer with a window drops the cached rows no query of
+the call can see and masks the rest to each query's window (window.py), in every path; one decode
+query then reads exactly its window's rows, so the CPU decode kernel runs unchanged.
 """
 
 from __future__ import annotations
@@ -24,29 +27,33 @@ from .config import MLAConfig
 from .kernels import mla_decode
 from .kernels.fused_rows import attend_rows
 from .latent_cache import cached_rows
+from .window import sliding_window
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dim (the RMS in fp32), as the source families' RMSNorms."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim (the RMS in fp32), as the source families' RMSNorms;
+    with an offset, (offset + weight) * x / rms(x) all in fp32, cast back last (Gemma's: offset 1)."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x * (offset + weight.float())).to(dtype)
     return weight * x.to(dtype)
 
 
-def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """y [..., heads*d] -> rms_norm of each head's d dims (QK-norm), flat again [..., heads*d]."""
-    return rms_norm(y.unflatten(-1, (-1, weight.numel())), weight, eps).flatten(-2)
+    return rms_norm(y.unflatten(-1, (-1, weight.numel())), weight, eps, offset).flatten(-2)
 
 
 class MLARMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +73,9 @@ class MLAAttention(nn.Module):
         if c.qk_norm:
             d_s = c.qk_norm_head_dim
             self.q_pre_proj = nn.Linear(D, H * d_s, bias=c.qk_norm_bias)
-            self.q_norm = MLARMSNorm(d_s, c.rms_norm_eps)
+            self.q_norm = MLARMSNorm(d_s, c.rms_norm_eps, c.qk_norm_offset)
             self.k_pre_proj = nn.Linear(D, c.qk_norm_kv_heads * d_s, bias=c.qk_norm_bias)
-            self.k_norm = MLARMSNorm(d_s, c.rms_norm_eps)
+            self.k_norm = MLARMSNorm(d_s, c.rms_norm_eps, c.qk_norm_offset)
         q_in = c.query_input_size
         if c.q_lora_rank:
             self.q_a_proj = nn.Linear(q_in, c.q_lora_rank, bias=False)
@@ -97,7 +104,7 @@ class MLAAttention(nn.Module):
 
     def _normed_heads(self, linear: nn.Linear, norm: MLARMSNorm, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> the source's normed heads norm(linear x) per head, flat [B, T, heads*d_s]."""
-        return head_rms_norm(linear(x), norm.weight, norm.eps)  # [B, T, heads*d_s]
+        return head_rms_norm(linear(x), norm.weight, norm.eps, norm.offset)  # [B, T, heads*d_s]
 
     def _query_linear(self, x: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:
         """The last query linear (q_proj, or q_b_proj after q_a_proj and its norm) and its input."""
@@ -157,19 +164,25 @@ class MLAAttention(nn.Module):
             rows = cached_rows(past_key_values, self.layer_idx, latent, k_rope)
             latent, k_rope = rows[..., : c.kv_lora_rank], rows[..., c.kv_lora_rank :]  # [B, S, d_c], [B, S, d_r]
 
-        S = latent.shape[1]
+        S, device = latent.shape[1], hidden_states.device
         if self._use_absorbed(T, past_key_values is not None):
             if rows is None:
                 rows = torch.cat((latent, k_rope), dim=-1)
             # no mask built without padding: the causal limit is the queries' place at the end
-            padding = None if attention_mask is None else self._sdpa_mask(attention_mask, T, S, hidden_states.device)
+            padding = None if attention_mask is None else self._sdpa_mask(attention_mask, T, S, device)
+            start, padding = sliding_window(padding, T, S, c.window(self.layer_idx) or S, device)
+            rows = rows[:, start:]  # [B, S', d_c + d_r]: the rows the window leaves (a view)
             if self._folds(B, T):
                 return self._absorbed_folded(hidden_states, cos, sin, rows, padding), None
             q_nope, q_rope = self._query(hidden_states, cos, sin)
             out = self._absorbed(q_nope, q_rope, rows, padding)
         else:
             q_nope, q_rope = self._query(hidden_states, cos, sin)
-            out = self._expanded(q_nope, q_rope, latent, k_rope, self._sdpa_mask(attention_mask, T, S, hidden_states.device))
+            mask = self._sdpa_mask(attention_mask, T, S, device)
+            start, mask = sliding_window(mask, T, S, c.window(self.layer_idx) or S, device)
+            if start and mask is None:  # one query against its window's rows
+                mask = self._sdpa_mask(None, T, S - start, device)
+            out = self._expanded(q_nope, q_rope, latent[:, start:], k_rope[:, start:], mask)
         return self.o_proj(out.reshape(B, T, c.num_heads * c.v_head_dim)), None
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,10 @@ Cache per token per layer: d_c + d_r elements.
 QK-norm sources (qk_norm, ALGORITHMS.md "QK-norm"): g = qk_norm_kv_heads source KV heads of d_s =
 qk_norm_head_dim dims. The query side reads q~ = q_norm(q_pre_proj x) per head [H*d_s] instead of x;
 the cache write computes the source's normed keys k~ = k_norm(k_pre_proj x) per KV head [g*d_s] and
-kv_a_proj reads [k~ | x].
+kv_a_proj reads [k~ | x]. With qk_norm_offset the norms multiply by (offset + w) in fp32 before the
+cast back (Gemma's RMSNorm: offset 1) instead of w * x cast first (Qwen3's).
+Sliding windows (sliding_windows[layer] = w > 0): a query at position t attends to the cached tokens
+t - w < s <= t only, in every path (mla/window.py); 0 = every cached token.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class MLAConfig:
     qk_norm_kv_heads: int = 0
     qk_norm_head_dim: int = 0
     qk_norm_bias: bool = False
+    qk_norm_offset: float = 0.0
+    # Per layer: the sliding window (0: none); empty: no layer has one.
+    sliding_windows: list[int] = field(default_factory=list)
     # "auto": absorbed decode for short queries over a cache, expanded K/V otherwise.
     decode: str = "auto"
     absorb_max_query_tokens: int = 8
@@ -72,6 +78,9 @@ class MLAConfig:
                 raise ValueError(
                     f"layer {i}: {len(freqs)} rope frequencies for qk_rope_head_dim {self.qk_rope_head_dim}"
                 )
+        if self.sliding_windows and (len(self.sliding_windows) != len(self.rope_inv_freq) or min(self.sliding_windows) < 0):
+            raise ValueError(f"sliding_windows needs one window >= 0 per layer ({len(self.rope_inv_freq)}), "
+                             f"got {self.sliding_windows}")
         if self.decode not in ("auto", "absorbed", "expanded"):
             raise ValueError(f"decode must be auto, absorbed or expanded, got {self.decode!r}")
 
@@ -92,6 +101,10 @@ class MLAConfig:
     def kv_input_size(self) -> int:
         """Width of what kv_a_proj reads: x [D], or [normed key heads | x] [g*d_s + D]."""
         return self.qk_norm_kv_heads * self.qk_norm_head_dim + self.hidden_size if self.qk_norm else self.hidden_size
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for none."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @property
     def kv_elements_per_token_per_layer(self) -> int:
