@@ -5,7 +5,8 @@ as a user runs it (one process per model and length, so a later run can add a le
 key stated once inside the built-in wiki/lee evaluation prose, at 10/50/90% of prompts of N tokens,
 asked for at the end, found when the greedy answer through the model's own cache (the latent cache and
 the CPU kernels for the conversions) holds it. The conversions are the CLI defaults,
-`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.5` (and 0.25), kept under
+`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.5` (and 0.25; and 0.5 in the
+exportable shape, `--shared-rope`), kept under
 out/passkey/ and reused when present (timed with /usr/bin/time when this script makes them; one at a
 time, never in parallel).
 
@@ -40,10 +41,11 @@ KEYS = 3
 SEED = 0
 DEFAULT_LENGTHS = "1K,2K,4K"
 CONTEXT = 8192  # SmolLM2's max_position_embeddings
-MODELS = {  # role -> kv budget (None: the source)
+MODELS = {  # role -> (kv budget, exportable shape: --shared-rope); None: the source
     "source": None,
-    "transmla 50%": 0.5,
-    "transmla 25%": 0.25,
+    "transmla 50%": (0.5, False),
+    "transmla 50% exportable": (0.5, True),
+    "transmla 25%": (0.25, False),
 }
 
 
@@ -52,25 +54,31 @@ def cpu_name() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
 
 
-def convert_command(budget: float, out: Path) -> list[str]:
-    return [str(TRANSMLA), "convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget)]
+def convert_command(budget: float, shared: bool, out: Path) -> list[str]:
+    return [str(TRANSMLA), "convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget),
+            *(["--shared-rope"] if shared else [])]
 
 
-def converted(budget: float, cache: ResultCache) -> Path:
+def _convert_key(budget: float, shared: bool) -> str:
+    return f"convert/{budget:g}" + ("-shared" if shared else "")
+
+
+def converted(budget: float, shared: bool, cache: ResultCache) -> Path:
     """The CLI-default conversion at `budget`, made (timed) unless out/passkey holds it already."""
-    out = OUT / f"transmla-{round(budget * 100)}"
-    log_file = OUT / f"transmla-{round(budget * 100)}.log"
-    key = f"convert/{budget:g}"
+    stem = f"transmla-{round(budget * 100)}" + ("-shared" if shared else "")
+    out = OUT / stem
+    log_file = OUT / f"{stem}.log"
+    key = _convert_key(budget, shared)
     if not (out / "config.json").is_file():
         OUT.mkdir(parents=True, exist_ok=True)
-        log(f"converting at {budget:g}: {' '.join(convert_command(budget, out))}")
-        cache.results[key] = timed(convert_command(budget, out), log_file)
+        log(f"converting at {budget:g}: {' '.join(convert_command(budget, shared, out))}")
+        cache.results[key] = timed(convert_command(budget, shared, out), log_file)
         cache.save()
     elif key not in cache.results and log_file.is_file() and "Elapsed (wall clock)" in log_file.read_text():
         cache.results[key] = measured(log_file)  # made by hand with the same command under /usr/bin/time -v
         cache.save()
     if key in cache.results:
-        cache.results[key]["command"] = " ".join(["transmla", *convert_command(budget, Path("OUT"))[1:]])
+        cache.results[key]["command"] = " ".join(["transmla", *convert_command(budget, shared, Path("OUT"))[1:]])
     return out
 
 
@@ -93,7 +101,7 @@ def run(lengths: list[int], roles: list[str], threads: int) -> dict:
     cache = ResultCache(JSON_PATH)
     cache.results["cpu"] = cpu_name()
     cache.results["machine"] = machine()
-    specs = {role: MODEL if budget is None else str(converted(budget, cache)) for role, budget in MODELS.items()
+    specs = {role: MODEL if shape is None else str(converted(*shape, cache)) for role, shape in MODELS.items()
              if role in roles}
     for length in lengths:
         for role, spec in specs.items():
@@ -148,7 +156,7 @@ def report(data: dict) -> None:
         "The same seeded keys and filler for every model. fp32.",
         "",
         "Models: the source (`smollm2-135m`, GQA, 384 cached elements per token per layer); "
-        + "; ".join(f"{role}: `{data[f'convert/{b:g}']['command']}`" if f"convert/{b:g}" in data else role
+        + "; ".join(f"{role}: `{data[_convert_key(*b)]['command']}`" if _convert_key(*b) in data else role
                     for role, b in MODELS.items() if b is not None) + ".",
         "",
         "found / keys per cell; s: wall seconds of the cell's 3 prompts (prefill + 8 greedy tokens each), "

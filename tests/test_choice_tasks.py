@@ -124,6 +124,7 @@ def test_cli_task_scores_a_converted_model_beside_its_source(cli, choice_model, 
     (("--task", "recall", "--choices", "1"), "choices must be between 2"),
     (("--task", "cloze", "--items", "0"), "items must be at least 1"),
     (("--task", "quiz",), "--task must be perplexity, passkey, cloze, recall or code"),
+    (("--task", "cloze", "--report", "rep"), "--report applies to --task perplexity or passkey only"),
 ])
 def test_cli_bad_input_is_one_line(cli, choice_model, flags, message):
     code, out, err = cli("eval", choice_model / "mla", *flags)

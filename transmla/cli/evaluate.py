@@ -47,6 +47,9 @@ def evaluate(
         if v is not None and task not in TASK_FLAGS[k]:
             raise ValueError(f"--{k.replace('_', '-')} applies to --task {either(TASK_FLAGS[k])} only")
     given = {k: v for k, v in flags.items() if v is not None}
+    if report is not None and task not in ("perplexity", "passkey"):
+        raise ValueError(f"--report applies to --task perplexity or passkey only; --task {task} prints its table "
+                         "(--json for the numbers)")
     if task != "perplexity":
         settings = EvalSettings(**settings | {"measure_tokens": 0})
     if task in TASKS:
