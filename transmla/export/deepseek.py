@@ -40,42 +40,21 @@ import torch
 
 from ..checkpoint.files import copy_tokenizer_files
 from ..checkpoint.reader import SafetensorsReader
-from ..checkpoint.writer import ShardedWriter, atomic_output_dir, parse_size
+from ..checkpoint.resolve import load_config
+from ..checkpoint.writer import ShardedWriter, atomic_output_dir
 from ..dtypes import torch_dtype
 from ..families import family_for
-from ..mla.model import MODEL_TYPE_PREFIX
+from ..mla.config import MLAConfig
+from ..mla.model import is_mla_config, source_model_type
 from ..progress import progress_bar
-from .engines import ENGINES, engine_report, padded_latent_size, source_report
+from .engines import engine_report, padded_latent_size, source_report
 from .errors import ExportError
+from .options import ExportOptions
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3 hard-codes this eps for kv_a/q_a_layernorm
 NORM_TRICK_TOLERANCE = 1e-9  # s^2 * bound(mean c^2) / eps: relative latent error <= 5e-10
 EXPORT_KEY = "transmla_export"  # our record in the exported config.json
 FP16_SOURCE = "the model is fp16, which underflows the scaled latent rows; pass --dtype fp32 or bf16"
-
-
-@dataclass
-class ExportOptions:
-    engines: tuple[str, ...] = ("transformers",)  # the export must load (exactly) in each
-    pad_latent: bool = False  # zero-pad d_c so d_c + d_r is a size vLLM accepts
-    drop_biases: bool = False  # drop attention biases (engines without them; lossy, measured)
-    dtype: str | None = None  # fp32 | bf16 (default: the model's); fp16 underflows the scaled latent
-    max_shard_size: str = "5GB"
-    force: bool = False
-
-    def __post_init__(self) -> None:
-        self.engines = tuple(ENGINES if "all" in self.engines else self.engines)
-        unknown = [e for e in self.engines if e not in ENGINES]
-        if unknown:
-            raise ValueError(f"unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)} or all")
-        if self.dtype is not None:
-            torch_dtype(self.dtype)
-            if self.dtype == "fp16":
-                raise ExportError(
-                    "fp16 cannot hold the scaled latent rows that make the latent RMSNorm a no-op "
-                    "(they underflow); export as fp32 or bf16"
-                )
-        parse_size(self.max_shard_size)
 
 
 @dataclass
@@ -108,14 +87,14 @@ class ExportPlan:
 # --------------------------------------------------------------------------------------------
 
 
-def read_native_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+def read_native_config(model_dir: Path) -> tuple:
+    """(the transformers config, its MLAConfig) of a native converted model."""
+    if not (Path(model_dir) / "config.json").is_file():
         raise ExportError(f"{model_dir} has no config.json")
-    cfg = json.loads(path.read_text())
-    if not str(cfg.get("model_type", "")).startswith(MODEL_TYPE_PREFIX) or "mla" not in cfg:
+    config = load_config(model_dir)
+    if not is_mla_config(config):
         raise ExportError(f"{model_dir} is not a converted MLA model (run `transmla convert` first)")
-    return cfg
+    return config, MLAConfig.from_dict(config.mla)
 
 
 def _source_rope_parameters(cfg: dict) -> dict:
@@ -139,15 +118,15 @@ def _deepseek_rope(rope_parameters: dict, d_r: int, max_positions: int) -> tuple
     return rotary.inv_freq.float(), float(rotary.attention_scaling)
 
 
-def shared_rope_grid(mla: dict, source_rope: dict, max_positions: int) -> tuple[dict, list[int]]:
+def shared_rope_grid(mla: MLAConfig, source_rope: dict, max_positions: int) -> tuple[dict, list[int]]:
     """The DeepSeek rope_parameters and pair order that reproduce every layer's rope key exactly.
 
     The kept frequencies must be the same in every layer and, sorted descending, equal the grid
     DeepseekV3 computes: theta'^(-2i/d_r) (then the source's scaling, e.g. llama3), with theta'
     fitted from the second frequency (the grid starts at 1).
     """
-    freqs = torch.tensor(mla["rope_inv_freq"], dtype=torch.float64)  # [L, d_r/2]
-    d_r = int(mla["qk_rope_head_dim"])
+    freqs = torch.tensor(mla.rope_inv_freq, dtype=torch.float64)  # [L, d_r/2]
+    d_r = mla.qk_rope_head_dim
     hint = "convert with --shared-rope (TransMLA) or --format deepseek, which keep one grid in every layer"
     if d_r == 0:
         raise ExportError("the model has no rope key (qk_rope_head_dim 0); DeepSeek needs at least one rope pair")
@@ -173,9 +152,9 @@ def shared_rope_grid(mla: dict, source_rope: dict, max_positions: int) -> tuple[
             f"the rope frequencies are not one grid theta^(-2i/{d_r}) ({rope_type} rope); "
             f"DeepSeek cannot represent them: {hint}"
         )
-    if not math.isclose(scaling, float(mla.get("rope_attention_scaling", 1.0)), rel_tol=1e-6):
+    if not math.isclose(scaling, float(mla.rope_attention_scaling), rel_tol=1e-6):
         raise ExportError(
-            f"the {rope_type} rope's attention scaling {mla.get('rope_attention_scaling')} differs from the "
+            f"the {rope_type} rope's attention scaling {mla.rope_attention_scaling} differs from the "
             f"{scaling} DeepSeek computes for {d_r} rope dims; not representable"
         )
     return params, order.tolist()
@@ -196,33 +175,36 @@ def deepseek_softmax_scale(rope_parameters: dict, qk_head_dim: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) -> ExportPlan:
-    mla = cfg["mla"]
-    family = family_for(cfg["model_type"][len(MODEL_TYPE_PREFIX):])
-    H, d_r, d_c = mla["num_heads"], mla["qk_rope_head_dim"], mla["kv_lora_rank"]
-    d_nope, d_v, D = mla["qk_nope_head_dim"], mla["v_head_dim"], mla["hidden_size"]
-    L = len(mla["rope_inv_freq"])
+def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[str, ...],
+                has_bias: dict[str, bool]) -> ExportPlan:
+    """config: the native model's transformers config, mla its MLAConfig; engines: those the
+    export must load in (refusing what they cannot)."""
+    cfg = config.to_dict()
+    family = family_for(source_model_type(config))
+    H, d_r, d_c = mla.num_heads, mla.qk_rope_head_dim, mla.kv_lora_rank
+    d_nope, d_v, D = mla.qk_nope_head_dim, mla.v_head_dim, mla.hidden_size
+    L = len(mla.rope_inv_freq)
     max_positions = int(cfg.get("max_position_embeddings", 4096))
     rope, order = shared_rope_grid(mla, _source_rope_parameters(cfg), max_positions)
-    if mla.get("kv_a_norm") and not math.isclose(mla.get("rms_norm_eps", 0), LATENT_NORM_EPS):
+    if mla.kv_a_norm and not math.isclose(mla.rms_norm_eps, LATENT_NORM_EPS):
         raise ExportError(
-            f"the model's latent RMSNorm uses eps {mla['rms_norm_eps']}; DeepSeek engines fix {LATENT_NORM_EPS}"
+            f"the model's latent RMSNorm uses eps {mla.rms_norm_eps}; DeepSeek engines fix {LATENT_NORM_EPS}"
         )
-    if mla.get("q_lora_rank") and has_bias["q"]:
+    if mla.q_lora_rank and has_bias["q"]:
         raise ExportError("a low-rank query with a bias has no exact DeepSeek form (q_b_proj has no bias)")
-    if mla.get("q_lora_rank") and mla.get("q_a_norm") and not math.isclose(mla.get("rms_norm_eps", 0), LATENT_NORM_EPS):
-        raise ExportError(f"the query RMSNorm uses eps {mla['rms_norm_eps']}; DeepSeek engines fix {LATENT_NORM_EPS}")
+    if mla.q_lora_rank and mla.q_a_norm and not math.isclose(mla.rms_norm_eps, LATENT_NORM_EPS):
+        raise ExportError(f"the query RMSNorm uses eps {mla.rms_norm_eps}; DeepSeek engines fix {LATENT_NORM_EPS}")
     any_bias = any(has_bias.values())
-    _check_biases(any_bias, options)
+    _check_biases(any_bias, engines, options.drop_biases)
     keep_bias = any_bias and not options.drop_biases
     d_c_out = d_c
     if options.pad_latent:
         d_c_out = padded_latent_size(d_c, d_r)
-    q_lora = mla.get("q_lora_rank")
+    q_lora = mla.q_lora_rank
     q_bias_lora = keep_bias and has_bias["q"]
     qk = d_nope + d_r
     rope_params = dict(rope)
-    q_scale = float(mla["softmax_scale"]) / deepseek_softmax_scale(rope_params, qk)
+    q_scale = float(mla.softmax_scale) / deepseek_softmax_scale(rope_params, qk)
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -268,7 +250,7 @@ def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) ->
     source_eps = cfg.get("rms_norm_eps", LATENT_NORM_EPS)
     record = {
         "source_model_type": cfg["model_type"],
-        "engines": list(options.engines),
+        "engines": list(engines),
         "source_rms_norm_eps": source_eps,
         "rms_norm_eps_changed": not math.isclose(source_eps, LATENT_NORM_EPS),
         "kv_lora_rank_native": d_c,
@@ -282,15 +264,15 @@ def plan_export(cfg: dict, options: ExportOptions, has_bias: dict[str, bool]) ->
     return ExportPlan(
         config=config, num_layers=L, num_heads=H, d_nope=d_nope, d_r=d_r, d_v=d_v, d_c=d_c, d_c_out=d_c_out,
         hidden_size=D, q_scale=q_scale, pair_order=order, q_bias_lora=q_bias_lora, drop_biases=not keep_bias,
-        native_norm=bool(mla.get("kv_a_norm")), family_layer_root=family.layer_root,
+        native_norm=bool(mla.kv_a_norm), family_layer_root=family.layer_root,
         input_norm=family.input_norm, record=record,
         moe_tensors=family.moe.deepseek_tensors if family.moe is not None else None,
     )
 
 
-def _check_biases(any_bias: bool, options: ExportOptions) -> None:
-    biased_engines = [e for e in options.engines if e != "transformers"]
-    if any_bias and biased_engines and not options.drop_biases:
+def _check_biases(any_bias: bool, engines: tuple[str, ...], drop_biases: bool) -> None:
+    biased_engines = [e for e in engines if e != "transformers"]
+    if any_bias and biased_engines and not drop_biases:
         raise ExportError(
             f"{biased_engines[0]} has no attention biases (it would drop them silently): pass --drop-biases "
             f"(lossy; measure it) or --engines transformers (exact)"
@@ -303,7 +285,8 @@ def check_source(config, options: ExportOptions) -> None:
     part and writes nothing: attention biases for engines without them, the MoE router and the rope
     scaling per engine, an fp16 model. The rest (rope grid, latent width) is checked after."""
     family = family_for(config)
-    _check_biases(family.has_qkv_bias(config) or family.has_o_bias(config), options)
+    engines = options.engine_names
+    _check_biases(family.has_qkv_bias(config) or family.has_o_bias(config), engines, options.drop_biases)
     cfg = config.to_dict()
     layers = int(cfg["num_hidden_layers"])
     probe = {"num_hidden_layers": layers, "first_k_dense_replace": 0 if family.moe else layers,
@@ -311,7 +294,7 @@ def check_source(config, options: ExportOptions) -> None:
     if family.moe is not None:
         probe["scoring_func"] = family.moe.scoring_func
     report = source_report(probe)
-    for engine in options.engines:
+    for engine in engines:
         if report[engine] is not None:
             raise ExportError(f"{engine} would not load this export: {report[engine]}")
     if options.dtype is None and _native_dtype(cfg) == torch.float16:
@@ -504,19 +487,23 @@ class ExportResult:
     files: list[str]
 
 
-def prepare_export(model_dir: str | Path, options: ExportOptions) -> tuple[dict, ExportPlan]:
-    """Read and check a native model's config and decide the export (no tensor written)."""
+def prepare_export(model_dir: str | Path, options: ExportOptions,
+                   engines: tuple[str, ...] | None = None) -> tuple[object, ExportPlan]:
+    """Read and check a native model's config and decide the export (no tensor written): (its
+    transformers config, the plan). engines: those it must load in (default: the options'; the
+    GGUF export asks for none)."""
     model_dir = Path(model_dir)
-    cfg = read_native_config(model_dir)
-    family = family_for(cfg["model_type"][len(MODEL_TYPE_PREFIX):])
+    engines = options.engine_names if engines is None else engines
+    config, mla = read_native_config(model_dir)
+    family = family_for(source_model_type(config))
     with SafetensorsReader(model_dir) as reader:
         has_bias = _bias_presence(reader, family.layer_root)
-    plan = plan_export(cfg, options, has_bias)
+    plan = plan_export(config, mla, options, engines, has_bias)
     report = engine_report(plan.config)
-    for engine in options.engines:
+    for engine in engines:
         if report[engine] is not None:
             raise ExportError(f"{engine} would not load this export: {report[engine]}")
-    return cfg, plan
+    return config, plan
 
 
 def export_deepseek(model_dir: str | Path, output: str | Path, options: ExportOptions, progress: bool = True) -> ExportResult:
@@ -524,8 +511,9 @@ def export_deepseek(model_dir: str | Path, output: str | Path, options: ExportOp
     from transformers import DeepseekV3Config
 
     model_dir = Path(model_dir)
-    cfg, plan = prepare_export(model_dir, options)
-    out_dtype = torch_dtype(options.dtype) if options.dtype else _native_dtype(cfg)
+    options.refuse_fp16()
+    config, plan = prepare_export(model_dir, options)
+    out_dtype = torch_dtype(options.dtype) if options.dtype else _native_dtype(config.to_dict())
     if out_dtype == torch.float16:
         raise ExportError(FP16_SOURCE)
     with SafetensorsReader(model_dir) as reader, atomic_output_dir(output, force=options.force) as tmp:
