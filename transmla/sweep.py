@@ -27,6 +27,7 @@ from .eval.choice_tasks import TASKS, ChoiceSettings, evaluate_choices
 from .eval.evaluate import evaluate_model
 from .eval.measured_cache import MeasuredCache
 from .eval.settings import EvalSettings
+from .machine import environment
 from .progress import progress_bar, stderr_console
 
 __all__ = ["SweepRow", "options_for", "parse_budgets", "sweep", "write_sweep"]
@@ -181,7 +182,7 @@ def sweep(
         "source": src.entry.to_dict() | ({"tasks": src_tasks} if tasks else {}),
         "rows": [],
         "settings": settings.to_dict(),
-        "environment": rep.environment(),
+        "environment": environment(),
         "command": command or rep.command_line(),
         "kept_models": keep,
     }

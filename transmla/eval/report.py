@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -35,7 +32,6 @@ __all__ = [
     "MIB",
     "ModelEntry",
     "compare_rows",
-    "environment",
     "format_bytes",
     "model_entry",
     "plot_compare",
@@ -51,33 +47,6 @@ MIB = 1024 * 1024
 
 
 # --- facts ----------------------------------------------------------------------------------
-
-
-def environment() -> dict[str, Any]:
-    """Where the numbers were measured: machine, Python, torch, transformers."""
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    env = {
-        "machine": f"{os.cpu_count()}-core CPU ({cpu}, {platform.machine()})",
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(terse=True),
-        "threads": torch.get_num_threads(),
-        "load_average": round(os.getloadavg()[0], 2),  # > 0 at the start: the machine was shared
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    return env
 
 
 def protocol_info(result: PerplexityResult, data: str, text_field: str = "text") -> dict[str, Any]:
