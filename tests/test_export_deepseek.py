@@ -21,7 +21,8 @@ from transmla.convert.api import convert
 from transmla.convert.options import ConvertOptions
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
 from transmla.convert.registry import get_method
-from transmla.export.deepseek import ExportError, export_deepseek, norm_trick_scale
+from transmla.export.deepseek import ExportError, export_deepseek
+from transmla.export.deepseek_layer import norm_trick_scale
 from transmla.export.options import ExportOptions
 
 STOCK = Path(__file__).parent / "engines" / "stock_transformers.py"

@@ -26,7 +26,9 @@ from .eval import report as rep
 from .eval.choice_tasks import TASKS, ChoiceSettings, evaluate_choices
 from .eval.evaluate import evaluate_model
 from .eval.measured_cache import MeasuredCache
+from .eval.plots import plot_sweep
 from .eval.settings import EvalSettings
+from .eval.sweep_report import render_sweep_markdown
 from .machine import environment
 from .progress import progress_bar, stderr_console
 
@@ -264,7 +266,7 @@ def write_sweep(result: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
     out_dir = Path(out_dir)
     src = result["source"]
     p = result["protocol"]
-    png = rep.plot_sweep(
+    png = plot_sweep(
         sweep_lines(result), src["perplexity"], out_dir / "sweep.png",
         title=f"{result['source_model']}: perplexity vs KV cache, training-free",
         source_label=f"source ({src['attention']}, {src['kv_elements_per_token_per_layer']} el./token/layer)",
@@ -272,5 +274,5 @@ def write_sweep(result: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
     )
     js = rep.write_json(result, out_dir / "sweep.json")
     md = out_dir / "sweep.md"
-    md.write_text(rep.render_sweep_markdown(result, str(png)))
+    md.write_text(render_sweep_markdown(result, str(png)))
     return {"json": js, "md": md, "png": png}

@@ -50,7 +50,7 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
         raise ValueError(f"{source} is already an MLA model")
     family_for(config)
     if exporting:
-        from ..export.deepseek import check_source
+        from ..export.deepseek_plan import check_source
 
         check_source(config, options.output)  # before the slow part: a refused export writes nothing
         options = replace(options, settings=method.shared_rope(attention_geometry(config), options.settings))
