@@ -56,7 +56,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import torch
 
-    from transmla.eval import decode_bench as db
+    from transmla.bench import decode as db
+    from transmla.machine import gpu_environment
 
     if not args.dry_run and not torch.cuda.is_available():
         print("error: benchmarks.bench_decode needs a CUDA GPU (use --dry-run for a CPU plumbing check)",
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     limit = args.mem_limit_gb * 1e9
 
     device = db.require_cuda(dry)
-    env = db.environment_info(device)
+    env = gpu_environment(device)
     log(f"device: {env['gpu']} | torch {env['torch_version']} | triton {env['triton_version']}")
     copy_gbps = db.measure_copy_bandwidth(device)
     log(f"measured device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")

@@ -1,5 +1,5 @@
 """What every benchmark shares: where results go, timestamped logging, JSON results and a resumable
-result cache, and the machine record (transmla.eval.report.environment) written beside each result."""
+result cache, and the machine record (transmla.machine.environment) written beside each result."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transmla.eval.report import environment as machine  # noqa: F401  (re-exported for the scripts)
+from transmla.machine import environment as machine  # noqa: F401  (re-exported for the scripts)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

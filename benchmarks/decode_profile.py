@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from transmla.eval.generate_bench import bench_generate
+from transmla.bench.generate import bench_generate
 
 from .common import RESULTS, machine, save_json
 from .generate_bench import BUDGETS, SOURCE, THREADS, converted_model

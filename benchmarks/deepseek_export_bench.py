@@ -31,7 +31,8 @@ from safetensors.torch import save_file
 
 from transmla.convert.pipeline import method_record, write_mla_checkpoint
 from transmla.convert.registry import get_method
-from transmla.export.deepseek import ExportOptions, export_deepseek
+from transmla.export.deepseek import export_deepseek
+from transmla.export.options import ExportOptions
 
 from .common import RESULTS, log, machine, stock_perplexities
 from .smollm2 import BUDGETS, CACHE, SEQ, Bench, cli_defaults, ours_layers, ours_plan

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import transmla  # noqa: F401
 from transmla.checkpoint.resolve import cache_root
-from transmla.eval.generate_bench import bench_generate
+from transmla.bench.generate import bench_generate
 
 from .common import RESULTS, load_json, machine, save_json
 

@@ -73,7 +73,7 @@ def gguf_path(work: Path, name: str, weight_type: str) -> Path:
 
 
 def phase_export(work: Path, types: list[str]) -> None:
-    from transmla.eval.llama_cpp import llama_cpp_tool
+    from transmla.bench.llama_cpp import llama_cpp_tool
     from transmla.export.gguf import export_gguf
 
     work.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,7 @@ def phase_ppl(work: Path, windows: int) -> None:
     import transmla as _  # noqa: F401  (registers the native MLA models)
     from transmla.checkpoint.resolve import resolve_model_dir
     from transmla.data.texts import builtin_text
-    from transmla.eval.llama_cpp import llama_perplexity, llama_tokenize
+    from transmla.bench.llama_cpp import llama_perplexity, llama_tokenize
     from transmla.eval.perplexity import perplexity, tokenize_text
 
     text = builtin_text("wiki", "eval")
@@ -193,7 +193,7 @@ def cache_elements(path: Path) -> int:
 
 def phase_speed(work: Path, types: list[str], budgets: list[float], depths: list[int], n_gen: int, reps: int,
                 threads: int, flash_attn: bool) -> None:
-    from transmla.eval.llama_cpp import llama_bench
+    from transmla.bench.llama_cpp import llama_bench
 
     for t in types:
         for name in ["source", *(f"transmla-{b}" for b in budgets)]:

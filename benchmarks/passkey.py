@@ -134,7 +134,7 @@ def _threads(data: dict) -> str:
 
 
 def report(data: dict) -> None:
-    from transmla.eval.report import _md_table
+    from transmla.eval.formatting import md_table
 
     entries = [e for e in (merged(data, role) for role in MODELS) if e is not None]
     png = plot_passkey(entries, RESULTS / f"{STEM}.png")
@@ -162,7 +162,7 @@ def report(data: dict) -> None:
         "found / keys per cell; s: wall seconds of the cell's 3 prompts (prefill + 8 greedy tokens each), "
         f"{_threads(data)}.",
         "",
-        _md_table(header, rows),
+        md_table(header, rows),
         "",
         f"![passkey heatmaps]({png.name})",
         "",

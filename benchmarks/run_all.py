@@ -339,7 +339,7 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from transmla.eval.report import COLORS
+    from transmla.eval.plots import COLORS
 
     by_label = lines_by_label(summary["rows"])
     # one line per method as a user runs it, the paper settings, the best variant, the public code

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from transmla.eval.llama_cpp import kv_cache_report, llama_logits, llama_tokenize
+from transmla.bench.llama_cpp import kv_cache_report, llama_logits, llama_tokenize
 from transmla.export.errors import ExportError
 from transmla.export.gguf import write_gguf
 

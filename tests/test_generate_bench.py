@@ -8,7 +8,7 @@ import json
 import pytest
 
 from transmla.checkpoint.resolve import load_config
-from transmla.eval.generate_bench import bench_generate, find_recorded_source
+from transmla.bench.generate import bench_generate, find_recorded_source
 from transmla.mla.packed_linear import onednn_linear_available
 
 from test_cpu_decode_kernel import HAS_AMX
@@ -110,7 +110,7 @@ def test_plain_linears_on_request(tiny):
 def test_profile_of_decode_steps(tiny, cli):
     """profile_steps: each row lists where its profiled decode steps went (largest self times first,
     then the time outside torch ops), all within the profiled wall time."""
-    from transmla.eval.generate_bench import PROFILE_TOP
+    from transmla.bench.generate import PROFILE_TOP
 
     result = bench_generate(str(tiny["small"]), str(tiny["src"]), batch=1, context=12, new_tokens=2, device="cpu",
                             repeats=1, source_caches=("static",), threads=1, profile_steps=3)
@@ -230,7 +230,7 @@ def test_long_steps_report_where_they_are_also_with_json(tiny, cli, monkeypatch)
     import json
     import time as _time
 
-    import transmla.eval.generate_bench as gb
+    import transmla.bench.generate as gb
 
     monkeypatch.setenv("TRANSMLA_PROGRESS_SECONDS", "0.05")
     real_run = gb._run

@@ -280,7 +280,7 @@ def test_sweep_with_a_fake_method(tiny, tmp_path):
 
 
 def test_plot_sweep_many_lines(tmp_path):
-    from transmla.eval.report import plot_sweep
+    from transmla.eval.plots import plot_sweep
 
     lines = {"transmla": [(0.5, 33.0), (0.25, 84.0), (0.125, 259.0)], "mha2mla (2norm)": [(0.5, 1545.0), (0.125, 8e4)]}
     path = plot_sweep(lines, 18.15, tmp_path / "p" / "x.png", title="t", subtitle="s")

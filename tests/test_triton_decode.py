@@ -300,7 +300,7 @@ def test_goal_config_compiles_for_sm90_without_spills():
 
 
 def test_bench_traffic_numbers_and_split_heuristic():
-    from transmla.eval.decode_bench import DecodeShape, fit_batch, gqa_traffic, mla_traffic
+    from transmla.bench.decode import DecodeShape, fit_batch, gqa_traffic, mla_traffic
 
     goal = DecodeShape(batch=64, context=8192, heads=32, kv_lora_rank=512, rope_dim=64)
     t = mla_traffic(goal)
@@ -324,7 +324,7 @@ def test_bench_traffic_numbers_and_split_heuristic():
 def test_bench_needs_cuda_and_cli_exits_1():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from transmla.eval.decode_bench import BenchUnavailable, DecodeShape, bench_decode
+    from transmla.bench.decode import BenchUnavailable, DecodeShape, bench_decode
 
     with pytest.raises(BenchUnavailable):
         bench_decode(DecodeShape(batch=1, context=16, heads=8))
@@ -344,7 +344,7 @@ def test_bench_needs_cuda_and_cli_exits_1():
 def test_bench_dry_run_plumbing():
     if ON_GPU:
         pytest.skip("dry runs are for CPU machines")
-    from transmla.eval.decode_bench import DecodeShape, bench_decode
+    from transmla.bench.decode import DecodeShape, bench_decode
 
     s = DecodeShape(batch=2, context=40, heads=4, kv_lora_rank=16, rope_dim=16, gqa_kv_heads=2,
                     gqa_head_dim=16, t_q=2, dtype="fp32")

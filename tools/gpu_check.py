@@ -202,7 +202,7 @@ def decode_grid(dry: bool):
 
 
 def stage_decode_bench(ctx: Ctx) -> dict:
-    from transmla.eval import decode_bench as db
+    from transmla.bench import decode as db
 
     device = db.require_cuda(ctx.dry)
     copy_gbps = db.measure_copy_bandwidth(device)

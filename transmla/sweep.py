@@ -28,7 +28,10 @@ from .eval.code_task import TASK as CODE_TASK
 from .eval.code_task import CodeSettings, evaluate_code
 from .eval.evaluate import evaluate_model
 from .eval.measured_cache import MeasuredCache
+from .eval.plots import plot_sweep
 from .eval.settings import EvalSettings
+from .eval.sweep_report import render_sweep_markdown
+from .machine import environment
 from .progress import progress_bar, stderr_console
 
 __all__ = ["SWEEP_TASKS", "SweepRow", "options_for", "parse_budgets", "sweep", "write_sweep"]
@@ -192,7 +195,7 @@ def sweep(
         "source": src.entry.to_dict() | ({"tasks": src_tasks} if tasks else {}),
         "rows": [],
         "settings": settings.to_dict(),
-        "environment": rep.environment(),
+        "environment": environment(),
         "command": command or rep.command_line(),
         "kept_models": keep,
     }
@@ -278,7 +281,7 @@ def write_sweep(result: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
     out_dir = Path(out_dir)
     src = result["source"]
     p = result["protocol"]
-    png = rep.plot_sweep(
+    png = plot_sweep(
         sweep_lines(result), src["perplexity"], out_dir / "sweep.png",
         title=f"{result['source_model']}: perplexity vs KV cache, training-free",
         source_label=f"source ({src['attention']}, {src['kv_elements_per_token_per_layer']} el./token/layer)",
@@ -286,5 +289,5 @@ def write_sweep(result: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
     )
     js = rep.write_json(result, out_dir / "sweep.json")
     md = out_dir / "sweep.md"
-    md.write_text(rep.render_sweep_markdown(result, str(png)))
+    md.write_text(render_sweep_markdown(result, str(png)))
     return {"json": js, "md": md, "png": png}

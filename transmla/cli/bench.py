@@ -44,7 +44,7 @@ def decode(
     as_json: JsonFlag = False,
 ) -> None:
     """Time one decode step of one layer: MLA Triton kernel vs PyTorch reference vs GQA SDPA."""
-    from transmla.eval.decode_bench import (
+    from transmla.bench.decode import (
         BenchUnavailable,
         DecodeShape,
         bench_decode,
@@ -120,7 +120,7 @@ def generate(
     as_json: JsonFlag = False,
 ) -> None:
     """End-to-end greedy decode: tokens/s, prefill, cache bytes, MLA model against its source's best stock cache."""
-    from transmla.eval.generate_bench import SOURCE_CACHES, bench_generate
+    from transmla.bench.generate import SOURCE_CACHES, bench_generate
 
     try:
         result = bench_generate(model, source, batch=batch, context=context, new_tokens=new_tokens,

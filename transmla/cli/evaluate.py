@@ -115,7 +115,8 @@ def _passkey(model: str, compare: str | None, report: Path | None, as_json: bool
              passkey: PasskeySettings) -> None:
     """transmla eval --task passkey: the cells of the model (and its source), a table, the report."""
     from ..eval.passkey import evaluate_passkey, passkey_lengths, passkey_rows, write_passkey_report
-    from ..eval.report import command_line, environment
+    from ..eval.report import command_line
+    from ..machine import environment
 
     runs = ([(compare, "source")] if compare else []) + [(model, "converted" if compare else "model")]
     lengths = [passkey_lengths(spec, passkey) for spec, _ in runs]  # every length checked before any model loads

@@ -40,26 +40,19 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
         raise FileExistsError(f"{output} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not options.output.force:
         raise FileExistsError(f"output directory {output} is not empty; pass --force to replace it")
-    export_options = None
-    if options.output.format == "deepseek":
-        from ..export.deepseek import ExportOptions
-        from ..export.engines import parse_engines
-
-        out = options.output
-        export_options = ExportOptions(
-            engines=parse_engines(out.engines), pad_latent=out.pad_latent, drop_biases=out.drop_biases,
-            dtype=out.dtype, max_shard_size=out.max_shard_size, force=out.force,
-        )
+    exporting = options.output.format == "deepseek"
+    if exporting:
+        options.output.refuse_fp16()
     source_dir = resolve_model_dir(source)
     refuse_overlap(source_dir, output)
     config = load_config(source_dir)
     if is_mla_config(config):
         raise ValueError(f"{source} is already an MLA model")
     family_for(config)
-    if export_options is not None:
-        from ..export.deepseek import check_source
+    if exporting:
+        from ..export.deepseek_plan import check_source
 
-        check_source(config, export_options)  # before the slow part: a refused export writes nothing
+        check_source(config, options.output)  # before the slow part: a refused export writes nothing
         options = replace(options, settings=method.shared_rope(attention_geometry(config), options.settings))
     layers = LayerStream(method, source_dir, config, options, progress=progress, keep_stages=stage_report is not None)
 
@@ -70,7 +63,7 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
         return meta
 
     out = options.output
-    if export_options is None:
+    if not exporting:
         return write_mla_checkpoint(
             source_dir, config, output, layers, record,
             dtype=out.dtype, max_shard_size=out.max_shard_size, force=out.force, progress=progress,
@@ -84,6 +77,6 @@ def convert(source: str, output: str | Path, options: ConvertOptions, progress: 
             source_dir, config, native / "model", layers, record,
             dtype=out.dtype, max_shard_size=out.max_shard_size, progress=progress,
         )
-        exported = export_deepseek(native / "model", output, export_options, progress=progress)
+        exported = export_deepseek(native / "model", output, options.output, progress=progress)
     return replace(result, output=str(output), files=exported.files,
                    kv_elements_per_token_per_layer=exported.kv_elements_per_token_per_layer)

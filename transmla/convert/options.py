@@ -13,9 +13,11 @@ from dataclasses import asdict, dataclass, field, fields
 import typing
 from typing import Any
 
-from ..dtypes import pick_device, torch_dtype
-from .budget import check_kv_budget
+from ..dtypes import pick_device
+from ..export.engines import parse_engines
+from ..export.options import ExportOptions
 from ..schema import option
+from .budget import check_kv_budget
 
 
 PROPAGATIONS = ("original", "converted")
@@ -73,41 +75,25 @@ class CalibrationOptions:
 
 
 @dataclass
-class OutputOptions:
-    dtype: str | None = option(None, "Output dtype: fp32 | bf16 | fp16 (default: the source's).")
-    max_shard_size: str = option("5GB", "Largest safetensors shard, e.g. 5GB, 500MB.")
-    force: bool = option(False, "Replace a non-empty output folder.")
+class OutputOptions(ExportOptions):
+    """The written model: the native format, or a DeepSeek export whose settings (and flags) these
+    extend (export/options.py); the export settings apply only to --format deepseek."""
+
     format: str = option(
         "native", "native (our MLA format) | deepseek (a stock DeepseekV3ForCausalLM folder; implies --shared-rope).",
         flag="--format",
     )
-    engines: str = option(
-        "transformers", "--format deepseek: engines the export must load in exactly, comma-separated: "
-        "transformers, vllm, sglang or all (their rules are checked before converting where the source decides them).",
-    )
-    pad_latent: bool = option(
-        False, "--format deepseek: zero-pad the latent so kv_lora_rank + qk_rope_head_dim is a width vLLM accepts "
-        "(320 or 576): exact, but the cache grows to that width.",
-    )
-    drop_biases: bool = option(
-        False, "--format deepseek: drop attention biases for engines without them (vLLM, SGLang): lossy, measure it.",
-    )
 
     def __post_init__(self) -> None:
-        from ..checkpoint.writer import parse_size
-        from ..export.engines import parse_engines
-
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        parse_engines(self.engines)
+        parse_engines(self.engines)  # an unknown engine is refused first
         if self.format != "deepseek":
             given = [n for n, set_ in (("engines", self.engines != "transformers"), ("pad_latent", self.pad_latent),
                                        ("drop_biases", self.drop_biases)) if set_]
             if given:
                 raise ValueError(f"{given[0]} does not apply to format {self.format}; it is an option of the deepseek export")
-        if self.dtype is not None:
-            torch_dtype(self.dtype)  # fail before any work on a bad name
-        parse_size(self.max_shard_size)
+        super().__post_init__()
 
 
 COMMON_SCHEMAS = (CalibrationOptions, OutputOptions)

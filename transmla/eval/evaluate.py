@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..machine import environment
 from ..messages import warn
 from . import report as rep
 from .perplexity import PerplexityResult
@@ -83,7 +84,7 @@ def compare_report(evaluated: Sequence[Evaluated], settings: EvalSettings, comma
         "models": models,
         "comparison": rep.comparison(models[-1], models[0]) if len(models) == 2 else None,
         "settings": settings.to_dict(),
-        "environment": rep.environment(),
+        "environment": environment(),
         "command": command or rep.command_line(),
     }
     return report

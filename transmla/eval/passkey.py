@@ -339,7 +339,7 @@ def passkey_rows(entries: Sequence[dict[str, Any]]) -> tuple[list[str], list[lis
 
 
 def passkey_markdown(report: dict[str, Any], plot: str | None = None) -> str:
-    from .report import _md_table
+    from .formatting import md_table
 
     entries = report["models"]
     s = report["settings"]
@@ -353,7 +353,7 @@ def passkey_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         f"the model's own cache) holds the key. {s['keys']} keys per cell, seed {s['seed']}. Seconds: wall time of "
         "the cell's prefills and answers.",
         "",
-        _md_table(header, rows),
+        md_table(header, rows),
         "",
     ]
     if plot:
@@ -367,9 +367,9 @@ def passkey_markdown(report: dict[str, Any], plot: str | None = None) -> str:
 
 def plot_passkey(entries: Sequence[dict[str, Any]], path: Path) -> Path:
     """Heatmaps of accuracy, depth (rows) x length (columns), one panel per model, like the needle plots."""
-    from .report import _pyplot
+    from .plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(entries), figsize=(3.2 + 2.6 * len(entries), 3.4), dpi=120, squeeze=False,
                              layout="constrained")
     image = None

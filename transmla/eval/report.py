@@ -1,30 +1,21 @@
-"""Evaluation reports: report.json, report.md and PNG plots, readable at a glance.
-
-Two kinds of report share the helpers here:
-
-- a comparison (``transmla eval MODEL --compare SOURCE --report DIR``): one entry per model
-  (perplexity, KV elements and bytes per token per layer and for the whole model at a context,
-  the cache measured after generating tokens), the change against the source, the protocol;
-- a budget sweep (``transmla sweep``): perplexity against the fraction of the source KV cache,
-  one line per method or setting, the source model as a horizontal line;
-
-and ``plot_curves`` draws a fine-tuning run's training loss and held-out perplexity.
-
-Plots use matplotlib's Agg backend (no display needed).
+"""The comparison report (``transmla eval MODEL --compare SOURCE --report DIR``): report.json,
+report.md and its plots. One entry per model (perplexity, KV elements and bytes per token per layer
+and for the whole model at a context, the cache measured after generating tokens), the change
+against the source, the protocol; and the facts every report records (the protocol, the command
+line). A sweep's Markdown is sweep_report.py, the plots plots.py, number formats formatting.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import platform
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from .formatting import format_bytes, format_ppl, md_table
+from .plots import plot_compare
 
 if TYPE_CHECKING:  # annotations only: the report module imports no torch
     from .kv import KVSummary
@@ -32,52 +23,18 @@ if TYPE_CHECKING:  # annotations only: the report module imports no torch
     from .perplexity import PerplexityResult
 
 __all__ = [
-    "MIB",
     "ModelEntry",
+    "command_line",
     "compare_rows",
-    "environment",
-    "format_bytes",
     "model_entry",
-    "plot_compare",
-    "plot_sweep",
     "protocol_info",
     "render_compare_markdown",
-    "render_sweep_markdown",
     "write_compare_report",
     "write_json",
 ]
 
-MIB = 1024 * 1024
-
 
 # --- facts ----------------------------------------------------------------------------------
-
-
-def environment() -> dict[str, Any]:
-    """Where the numbers were measured: machine, Python, torch, transformers."""
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    env = {
-        "machine": f"{os.cpu_count()}-core CPU ({cpu}, {platform.machine()})",
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(terse=True),
-        "threads": torch.get_num_threads(),
-        "load_average": round(os.getloadavg()[0], 2),  # > 0 at the start: the machine was shared
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    return env
 
 
 def protocol_info(result: PerplexityResult, data: str, text_field: str = "text") -> dict[str, Any]:
@@ -214,19 +171,6 @@ def comparison(model: Mapping[str, Any], source: Mapping[str, Any]) -> dict[str,
 # --- formatting -----------------------------------------------------------------------------
 
 
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    for unit, size in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{int(n):,} B"
-
-
-def _ppl(x: float) -> str:
-    return f"{x:,.2f}" if x < 1e5 else f"{x:.3g}"
-
-
 def _label(entry: Mapping[str, Any]) -> str:
     method = entry.get("method")
     kind = entry["attention"] + (f", {method}" if method else "")
@@ -246,7 +190,7 @@ def compare_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]
 
     row("model", [str(m["model"]) for m in models])
     change = f"{cmp['perplexity_change']:+,.2f} ({cmp['perplexity_change_pct']:+.1f}%)" if cmp else ""
-    row("perplexity", [_ppl(m["perplexity"]) for m in models], change)
+    row("perplexity", [format_ppl(m["perplexity"]) for m in models], change)
     row("tokens evaluated", [f"{m['tokens']:,}" for m in models])
     row("KV elements / token / layer", [str(m["kv_elements_per_token_per_layer"]) for m in models],
         f"x{cmp['cache_ratio']:.4g}" if cmp else "")
@@ -271,13 +215,6 @@ def compare_rows(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]
     return header, rows
 
 
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    esc = [[c.replace("|", "\\|") for c in r] for r in [header, *rows]]
-    lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
-    return "\n".join(lines)
-
-
 def render_compare_markdown(report: Mapping[str, Any], plots: Sequence[str] = ()) -> str:
     models = report["models"]
     env = report["environment"]
@@ -288,7 +225,7 @@ def render_compare_markdown(report: Mapping[str, Any], plots: Sequence[str] = ()
         "",
         f"**Protocol** ({report['protocol']['name']}): {report['protocol']['description']}.",
         "",
-        _md_table(header, rows),
+        md_table(header, rows),
         "",
     ]
     cmp = report.get("comparison")
@@ -313,205 +250,6 @@ def render_compare_markdown(report: Mapping[str, Any], plots: Sequence[str] = ()
         "",
     ]
     return "\n".join(parts)
-
-
-# --- plots ----------------------------------------------------------------------------------
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-
-
-def plot_curves(train_log: list[dict], eval_log: list[dict], path: Path, title: str | None = None) -> None:
-    """Training loss and held-out perplexity against optimizer steps (PNG)."""
-    plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    if train_log:
-        steps = [r["step"] for r in train_log]
-        loss = [r["loss"] for r in train_log]
-        ax1.plot(steps, loss, lw=0.6, alpha=0.5, label="per step")
-        k = max(1, len(loss) // 30)
-        smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
-        ax1.plot(steps, smooth, lw=1.5, label=f"mean of {k}")
-        ax1.set_xlabel("optimizer step")
-        ax1.set_ylabel("training loss (nats/token)")
-        ax1.legend()
-    by_windows: dict[int, list[dict]] = {}
-    for r in eval_log:
-        by_windows.setdefault(r["windows"], []).append(r)
-    for windows, rows in sorted(by_windows.items()):
-        style = "o-" if len(rows) > 2 else "s"
-        ax2.plot([r["step"] for r in rows], [r["perplexity"] for r in rows], style, label=f"{windows} windows x {rows[0].get('seq_len', '')}")
-    if eval_log:
-        ax2.set_xlabel("optimizer step")
-        ax2.set_ylabel("held-out perplexity")
-        ax2.set_yscale("log")
-        ax2.legend()
-    if title:
-        fig.suptitle(title[:120], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_compare(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """perplexity.png (bars) and kv_cache.png (KV bytes per token, formula and measured)."""
-    plt = _pyplot()
-    models = report["models"]
-    labels = [f"{m['role']}\n{m['attention']}" + (f" ({m['method']})" if m.get("method") else "") for m in models]
-    colors = ["#7f7f7f" if m["role"] == "source" else COLORS[0] for m in models]
-    paths = []
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    vals = [m["perplexity"] for m in models]
-    bars = ax.bar(labels, vals, color=colors)
-    for b, v in zip(bars, vals):
-        ax.annotate(_ppl(v), (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=10)
-    ax.set_ylabel("perplexity (lower is better)")
-    p = report["protocol"]
-    ax.set_title(f"Perplexity on {p['data']}: {p['tokens']:,} tokens, {p['name']} {p['seq_len']}-token windows", fontsize=9)
-    ax.set_ylim(0, max(vals) * 1.18)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    paths.append(out_dir / "perplexity.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    per_token = [m["kv_bytes_per_token"] / 1024 for m in models]
-    bars = ax.bar(labels, per_token, color=colors, label="formula")
-    for b, m in zip(bars, models):
-        txt = f"{m['kv_elements_per_token_per_layer']} el./layer\n{m['kv_bytes_per_token'] / 1024:,.1f} KiB/token"
-        ax.annotate(txt, (b.get_x() + b.get_width() / 2, b.get_height() / 2), ha="center", va="center",
-                    fontsize=9, color="white", fontweight="bold")
-    measured_x, measured_y = [], []
-    for i, m in enumerate(models):
-        mc = m.get("measured_cache")
-        if mc:
-            measured_x.append(i)
-            measured_y.append(mc["measured_bytes_per_token_per_layer"] * m["layers"] / 1024)
-    if measured_x:
-        ax.plot(measured_x, measured_y, "kD", markersize=8, linestyle="none", label="measured after generation")
-        ax.legend(loc="upper right", fontsize=8)
-    ctx = report.get("context")
-    title = "KV cache per token (all layers)"
-    if ctx:
-        title += "; at {:,} tokens: ".format(ctx) + " vs ".join(format_bytes(m.get("kv_bytes_at_context")) for m in models)
-    ax.set_title(title, fontsize=9)
-    ax.set_ylabel(f"KiB per token ({models[0]['cache_dtype']})")
-    ax.set_ylim(0, max(per_token) * 1.35)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    paths.append(out_dir / "kv_cache.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
-    return paths
-
-
-def plot_sweep(
-    lines: Mapping[str, Sequence[tuple[float, float]]],
-    source_ppl: float | None,
-    path: Path,
-    title: str,
-    source_label: str = "source model",
-    subtitle: str | None = None,
-) -> Path:
-    """Perplexity (log scale) against the kept fraction of the source KV cache.
-
-    ``lines``: label -> [(cache fraction, perplexity)], one line per method or setting;
-    the source model is a dashed horizontal line at fraction 1.
-    """
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    fractions: set[float] = set()
-    for i, (label, pts) in enumerate(lines.items()):
-        pts = sorted(p for p in pts if p[1] is not None and math.isfinite(p[1]))
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        fractions.update(xs)
-        color = COLORS[i % len(COLORS)]
-        ax.plot(xs, ys, "o-", color=color, label=label, linewidth=2, markersize=6)
-        for x, y in pts:
-            ax.annotate(_ppl(y), (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8, color=color)
-    if source_ppl is not None:
-        ax.axhline(source_ppl, color="black", linestyle="--", linewidth=1.2, label=f"{source_label}: {_ppl(source_ppl)}")
-    fractions.add(1.0)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ticks = sorted(fractions)
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([f"{t:.4g}\n({t:.1%})" for t in ticks], fontsize=8)
-    ax.minorticks_off()
-    ax.set_xlim(min(ticks) / 1.25, 1.25)
-    ax.set_xlabel("KV cache kept (fraction of the source model's cache per token)")
-    ax.set_ylabel("perplexity (log scale, lower is better)")
-    ax.set_title(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def render_sweep_markdown(sweep: Mapping[str, Any], plot: str | None = None) -> str:
-    """sweep.md: one row per (method, budget), the source first."""
-    src = sweep["source"]
-    env = sweep["environment"]
-    p = sweep["protocol"]
-    header = ["method", "setting", "budget", "KV el./token/layer", "cache fraction", "R (d_c)", "r (d_rope)",
-              "perplexity", "vs source", "convert s (CPU s)", "eval s (CPU s)"]
-    tasks = list(src.get("tasks") or {})  # task scores beside perplexity (sweep --tasks)
-    header[8:8] = [f"{t} {sweep.get('task_scores', {}).get(t, 'acc')}" for t in tasks]
-    rows = [["source", src["attention"], "1", str(src["kv_elements_per_token_per_layer"]), "1", "–", "–",
-             _ppl(src["perplexity"]), *(f"{src['tasks'][t]:.1%}" for t in tasks), "", "",
-             _fmt_s(src.get("eval_seconds"), src.get("eval_cpu_seconds"))]]
-    for r in sweep["rows"]:
-        rows.append([
-            r["method"], r.get("setting") or "default", f"{r['budget']:g}", str(r["kv_elements_per_token_per_layer"]),
-            f"{r['cache_fraction']:.4g}", str(r.get("kv_lora_rank", "–")), str(r.get("qk_rope_head_dim", "–")),
-            _ppl(r["perplexity"]), *(f"{r['tasks'][t]:.1%}" for t in tasks), f"x{r['perplexity'] / src['perplexity']:.2f}",
-            _fmt_s(r.get("convert_seconds"), r.get("convert_cpu_seconds")),
-            _fmt_s(r.get("eval_seconds"), r.get("eval_cpu_seconds")),
-        ])
-    parts = [
-        f"# KV-budget sweep: {sweep['source_model']}",
-        "",
-        f"Command: `{sweep['command']}`",
-        "",
-        f"**Protocol** ({p['name']}): {p['description']}. Training-free conversions "
-        f"(calibration: {sweep.get('calibration', 'see sweep.json')}), {sweep['dtype']}.",
-        "",
-        _md_table(header, rows),
-        "",
-    ]
-    if plot:
-        parts += [f"![perplexity vs KV-cache fraction]({Path(plot).name})", ""]
-    parts += [
-        f"Machine: {env['machine']}" + (f", GPU {env['gpu']}" if env.get("gpu") else "")
-        + f"; Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; {env['date']}. "
-        "Times: wall seconds, and in brackets the CPU seconds of this process (all its threads); the CPU was shared "
-        "with other jobs while measured, so wall times are inflated.",
-        "",
-    ]
-    return "\n".join(parts)
-
-
-def _fmt_s(x: float | None, cpu: float | None = None) -> str:
-    if x is None:
-        return ""
-    return f"{x:,.0f}" + (f" ({cpu:,.0f})" if cpu is not None else "")
 
 
 # --- files ----------------------------------------------------------------------------------

@@ -281,16 +281,17 @@ def export_gguf(
     from transformers import DeepseekV3Config
 
     from ..checkpoint.reader import SafetensorsReader
-    from .deepseek import ExportOptions, deepseek_tensors, prepare_export
+    from .deepseek import deepseek_tensors, prepare_export
+    from .options import ExportOptions
 
     model_dir, output = Path(model_dir), Path(output)
     if output.exists() and not force:
         raise ExportError(f"{output} exists (pass --force to replace it)")
-    native, plan = prepare_export(model_dir, ExportOptions(engines=(), drop_biases=drop_biases))
+    native, plan = prepare_export(model_dir, ExportOptions(drop_biases=drop_biases), engines=())
     config = DeepseekV3Config(**plan.config).to_dict()
     # The DeepSeek folder writes a tied lm_head out (not every engine ties); llama.cpp ties by
     # leaving `output` out, as the source's own GGUF does.
-    config["tie_word_embeddings"] = bool(native.get("tie_word_embeddings", False))
+    config["tie_word_embeddings"] = bool(getattr(native, "tie_word_embeddings", False))
     with SafetensorsReader(model_dir) as reader:
         tensors = deepseek_tensors(reader, plan, progress)
         return write_gguf(config, tensors, model_dir, output, weight_type, tokenizer_pre, name=model_dir.name)

@@ -14,33 +14,34 @@ every process. The loss is the mean next-token NLL over the step's scored tokens
 cross a document boundary are dropped, see data.py). The data order is a function of
 (seed, step), and a checkpoint holds everything else, so a resumed run repeats the losses of an
 uninterrupted one exactly (tested on the CPU).
-With train.fsdp the model is sharded over the processes (FSDP2, see _shard_model).
+With train.fsdp the model is sharded over the processes (FSDP2, processes.shard_model).
+The pieces around the loop: converted_model (the model to train, converted on demand),
+checkpoints (trainer state, saving and resuming), processes (what the processes share, FSDP),
+held_out (perplexity during the run), outputs (output_dir's check, the logs, the final model).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
-import platform
 import re
-import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 
-from ..checkpoint.files import refuse_symlinks
-from ..checkpoint.finite import require_finite, require_finite_number
-from ..dtypes import torch_dtype
-from ..progress import stderr_console
+from ..checkpoint.finite import require_finite_number
+from .checkpoints import (
+    TrainerState,
+    check_resume_layout,
+    check_resume_model,
+    resume_dir,
+    save_checkpoint,
+    start_model_fingerprint,
+)
+from .converted_model import converted_dir
 from .data import (
     IGNORE,
     PackedSequences,
@@ -49,8 +50,11 @@ from .data import (
     load_documents,
     pack_documents,
 )
+from .held_out import held_out_ids, held_out_perplexity
+from .outputs import FinetuneResult, check_output_dir, save_model, write_logs
+from .processes import hardware, log_main, shard_model, sum_over_processes
 from .recipe import Recipe
-from .state import is_training_state, load_training_state, save_training_state
+from .state import load_training_state
 
 __all__ = ["FinetuneResult", "run_finetune", "select_trainable", "TRAINABLE_PATTERNS", "lr_factor"]
 
@@ -61,59 +65,6 @@ TRAINABLE_PATTERNS: dict[str, str] = {
     "attention": r"\.self_attn\.",
     "mla": r"\.self_attn\.(q_proj|q_a_proj|q_a_norm|q_b_proj|kv_a_proj|kv_a_norm|kv_b_proj)\.",
 }
-CHECKPOINT_PREFIX = "step-"
-# Everything a run writes into output_dir (see the module docstring).
-OUTPUT_NAMES = ("recipe.yaml", "converted", "checkpoints", "model", "train_log.csv", "eval_log.csv", "metrics.json", "curves.png")
-
-
-@dataclass
-class FinetuneResult:
-    output_dir: str
-    model_dir: str | None  # None when the run stopped before the end
-    completed: bool
-    steps: int  # optimizer steps done (in all runs, resumed ones included)
-    total_steps: int
-    tokens: int  # training tokens consumed (every process, every step)
-    trained_parameters: int
-    total_parameters: int
-    start_perplexity: float | None
-    final_perplexity: float | None
-    eval_tokens: int | None
-    final_loss: float | None
-    wall_seconds: float  # this run only
-    cpu_seconds: float  # this process's CPU time (all threads), this run only
-    tokens_per_second: float | None  # training tokens / wall time of the training steps, this run
-    hardware: str
-    resumed_from: str | None = None
-    converted_dir: str | None = None
-    train_sequences: int = 0  # packed training sequences available
-    epochs: float = 0.0  # passes over them
-    trainable_per_process: list[int] | None = None  # train.fsdp: trainable values each process holds
-
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class TrainerState:
-    """What a checkpoint holds besides model/optimizer/schedule/RNG: position and history."""
-
-    step: int = 0
-    tokens: int = 0
-    processes: int = 1
-    sequences_per_step: int = 0  # processes x micro_batch_size x grad_accum (0: not recorded)
-    start_model: str = ""  # sha256 of the starting model's config.json ("": not recorded)
-    train_log: list[dict] = field(default_factory=list)
-    eval_log: list[dict] = field(default_factory=list)
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in self.__dataclass_fields__:
-            if key in state:
-                setattr(self, key, state[key])
 
 
 # --- pieces --------------------------------------------------------------------------------------
@@ -155,117 +106,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def _hardware(accelerator) -> str:
-    device = accelerator.device
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return f"{accelerator.num_processes} x {name}, torch {torch.__version__}"
-    threads = torch.get_num_threads()
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {threads} threads), torch {torch.__version__}"
-
-
-def _sum_over_processes(accelerator, value: float) -> float:
-    """`value` summed over all processes (itself with one), as float64."""
-    if accelerator.num_processes == 1:
-        return value
-    total = accelerator.reduce(torch.tensor([value], dtype=torch.float64, device=accelerator.device), reduction="sum")
-    return total.item() if isinstance(value, float) else int(total.item())
-
-
-def _check_resume_layout(resume: Path, state: TrainerState, world: int, micro: int, accum: int) -> None:
-    """A run resumes on another number of processes only with the same sequences per step: the
-    data order and the schedule are functions of (step, sequences per step)."""
-    before = state.sequences_per_step
-    now = micro * accum * world
-    if before and before != now:
-        hint = (f"; with {world} process{'es' if world > 1 else ''} set train.grad_accum to {before // (micro * world)}"
-                if before % (micro * world) == 0 else "")
-        raise ValueError(
-            f"{resume} was written by {state.processes} process{'es' if state.processes > 1 else ''} taking {before} "
-            f"sequences per step; this run takes {now} ({world} x micro_batch_size {micro} x grad_accum {accum}): "
-            f"resuming needs the same sequences per step{hint}"
-        )
-
-
-def start_model_fingerprint(model_dir: Path) -> str:
-    """What identifies the model a run starts from: the sha256 of its config.json, which records how
-    it was converted (method, calibration, fit) and changes with every conversion."""
-    import hashlib
-
-    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
-
-
-def _check_resume_model(resume: Path, state: TrainerState, fingerprint: str, model_dir: Path, output_dir: Path) -> None:
-    """A checkpoint continues only the run that started from the same model: after a new conversion
-    (other convert settings, or other defaults) or another model.path its weights belong elsewhere."""
-    if state.start_model and state.start_model != fingerprint:
-        raise ValueError(
-            f"{resume} continues a run that started from another model than {model_dir} (its config.json "
-            f"differs: converted again or replaced); remove {output_dir / 'checkpoints'} or set "
-            "checkpoint.resume: never to train from the new start"
-        )
-
-
-def _log(accelerator, message: str) -> None:
-    if accelerator.is_main_process:
-        stderr_console.print(message, highlight=False)
-
-
-# --- model ---------------------------------------------------------------------------------------
-
-
-def _converted_dir(recipe: Recipe, accelerator, progress: bool) -> tuple[Path, str | None]:
-    """The MLA checkpoint to train: model.path, or model.source converted into output_dir/converted."""
-    from ..checkpoint.resolve import load_config, resolve_model_dir
-    from ..mla.model import is_mla_config
-
-    spec = recipe.model
-    if spec.path is not None:
-        path = resolve_model_dir(spec.path)
-        if not is_mla_config(load_config(path)):
-            raise ValueError(
-                f"model.path {spec.path} is not a converted MLA checkpoint; "
-                "give model.source and model.convert to convert it first"
-            )
-        return path, None
-    target = recipe.output_dir / "converted"
-    marker = target / "transmla_convert_settings.json"
-    settings = {"source": spec.source, **spec.convert.model_dump(mode="json")}
-    if accelerator.is_main_process:
-        reuse = marker.is_file() and json.loads(marker.read_text()) == settings
-        if reuse:
-            _log(accelerator, f"[dim]reusing the conversion in {target}[/dim]")
-        else:
-            stale = _checkpoints(recipe.output_dir / "checkpoints") if recipe.checkpoint.resume == "auto" else []
-            if stale:  # they were trained from the previous conversion: resuming would mix the two
-                raise ValueError(
-                    f"{stale[-1]} was trained from an earlier conversion with other settings than model.convert "
-                    f"now gives; remove {recipe.output_dir / 'checkpoints'} or set checkpoint.resume: never"
-                )
-            from ..convert.api import convert
-            from ..convert.options import ConvertOptions
-
-            _log(accelerator, f"converting {spec.source} into {target} ({spec.convert.method})")
-            options = ConvertOptions.of(**spec.convert.model_dump(exclude_none=True), force=True)
-            convert(spec.source, target, options, progress=progress)
-            marker.write_text(json.dumps(settings, indent=1))
-    else:
-        # Not a collective: a conversion (and a download) may outlast train.timeout_seconds, which
-        # bounds every collective wait. If the first process dies meanwhile, the launcher ends this one.
-        while not (marker.is_file() and _read_json(marker) == settings):
-            time.sleep(1.0)
-    accelerator.wait_for_everyone()
-    return target, str(target)
-
-
-def _read_json(path: Path):
-    """The JSON in `path`, or None while it is being written."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _load_model(model_dir: Path, recipe: Recipe):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -297,33 +137,6 @@ def _prepare_model(model, recipe: Recipe) -> tuple[int, int]:
     return counts
 
 
-def _shard_model(model, accelerator) -> list[int]:
-    """train.fsdp: each decoder layer, then the rest, sharded over the processes (FSDP2: every
-    parameter split along dim 0, gathered for its layer's forward and backward, gradients
-    reduce-scattered and averaged as DDP averages them). Returns the trainable values each process
-    holds (about trainable / processes each)."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError("train.fsdp: the model has no model.layers to shard")
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
-    local = sum(p.to_local().numel() for p in model.parameters() if p.requires_grad)
-    held = accelerator.gather(torch.tensor([local], device=accelerator.device))  # [processes]
-    return [int(v) for v in held.tolist()]
-
-
-def _full_state_dict(model, fsdp: bool) -> dict[str, torch.Tensor]:
-    """The whole model's tensors on the CPU (FSDP: gathered from every process; call on all)."""
-    if not fsdp:
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 # --- data ----------------------------------------------------------------------------------------
 
 
@@ -340,168 +153,6 @@ def _training_data(recipe: Recipe, tokenizer) -> PackedSequences:
             packed.documents, int((packed.segment_ids[keep] >= 0).sum()),
         )
     return packed
-
-
-def _eval_ids(recipe: Recipe, tokenizer) -> torch.Tensor | None:
-    from ..data.texts import load_text
-    from ..eval.perplexity import tokenize_text
-
-    e = recipe.eval
-    if e.data is None:
-        return None
-    return tokenize_text(tokenizer, load_text(e.data, part=e.part, text_field=e.text_field))
-
-
-def _evaluate(model, ids: torch.Tensor, recipe: Recipe, accelerator, windows: int | None) -> list[dict]:
-    """Perplexity on the first ``windows`` windows; with more windows than the in-training count,
-    also the in-training count's number (the same first windows, computed once)."""
-    from ..eval.perplexity import perplexity
-
-    e = recipe.eval
-    n_avail = ids.numel() // e.seq_len
-    n = n_avail if windows is None else min(windows, n_avail)
-    short = min(e.windows, n)
-    ctx = accelerator.autocast() if recipe.train.precision == "bf16" else nullcontext()
-    parts = []
-    with ctx:
-        head = perplexity(model, ids[: short * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False,
-                          inference_mode=not recipe.train.fsdp)
-        parts.append(head)
-        if n > short:
-            parts.append(perplexity(model, ids[short * e.seq_len : n * e.seq_len], e.seq_len, batch_size=e.batch_size, progress=False,
-                          inference_mode=not recipe.train.fsdp))
-    rows = [{"windows": short, "tokens": head.tokens, "nll": head.nll, "perplexity": head.perplexity}]
-    if len(parts) > 1:
-        tokens = sum(p.tokens for p in parts)
-        nll = sum(p.nll * p.tokens for p in parts) / tokens
-        rows.append({"windows": n, "tokens": tokens, "nll": nll, "perplexity": math.exp(nll)})
-    return rows
-
-
-# --- checkpoints ---------------------------------------------------------------------------------
-
-
-def _checkpoints(root: Path) -> list[Path]:
-    found = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if is_training_state(p)]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-
-
-def _resume_dir(recipe: Recipe) -> Path | None:
-    mode = recipe.checkpoint.resume
-    if mode == "never":
-        return None
-    if mode == "auto":
-        found = _checkpoints(recipe.output_dir / "checkpoints")
-        return found[-1] if found else None
-    path = Path(mode).expanduser()
-    if not is_training_state(path):
-        raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint folder (no trainer.json)")
-    return path
-
-
-def _save_checkpoint(accelerator, recipe: Recipe, state: TrainerState, model, optimizer, scheduler) -> Path:
-    if recipe.train.fsdp:
-        raise ValueError("train.fsdp: checkpoints of sharded training state are not written yet; a run with "
-                         "train.fsdp must run to its end in one go (set checkpoint.every: 0)")
-    root = recipe.output_dir / "checkpoints"
-    final = root / f"{CHECKPOINT_PREFIX}{state.step:06d}"
-    tmp = root / f".{final.name}.tmp"
-    if accelerator.is_main_process:
-        if tmp.is_symlink() or final.is_symlink():
-            raise ValueError(f"{tmp if tmp.is_symlink() else final} is a symlink: refusing to write through it")
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    trainer = {**state.state_dict(), "recipe": recipe.dump()}
-    save_training_state(
-        tmp, accelerator.unwrap_model(model), optimizer, scheduler, trainer,
-        rank=accelerator.process_index, main=accelerator.is_main_process,
-    )
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in _checkpoints(root)[: -recipe.checkpoint.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
-# --- outputs -------------------------------------------------------------------------------------
-
-
-def check_output_dir(out: Path, force: bool) -> None:
-    """output_dir must be new, empty, or an earlier run's (which resumes); other contents need
-    ``force``. Nothing we write there may be a symlink (it would be written through)."""
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output_dir {out} exists and is not a directory")
-    if not out.is_dir():
-        return
-    refuse_symlinks(out, OUTPUT_NAMES)
-    foreign = sorted(
-        p.name for p in out.iterdir()
-        if p.name not in OUTPUT_NAMES and not (p.name.startswith(".") and p.name[1:].split(".tmp-")[0] in OUTPUT_NAMES)
-    )
-    if foreign and not force:
-        raise FileExistsError(
-            f"output_dir {out} is not empty and not an earlier fine-tuning run (it holds {foreign[0]}); "
-            "pass --force to write into it"
-        )
-
-
-def _write_logs(recipe: Recipe, state: TrainerState, summary: dict | None = None) -> None:
-    out = recipe.output_dir
-    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.dump(), sort_keys=False))
-    for name, rows in (("train_log.csv", state.train_log), ("eval_log.csv", state.eval_log)):
-        if not rows:
-            continue
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with (out / name).open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-    payload = {"summary": summary, "train_log": state.train_log, "eval_log": state.eval_log}
-    (out / "metrics.json").write_text(json.dumps(payload, indent=1, default=str))
-    from ..eval.report import plot_curves
-
-    plot_curves(state.train_log, state.eval_log, out / "curves.png", title=recipe.notes)
-
-
-def _save_model(accelerator, model, recipe: Recipe, model_dir: Path, state: TrainerState) -> Path:
-    from ..checkpoint.files import copy_tokenizer_files
-    from ..checkpoint.writer import atomic_output_dir, usual_file_mode
-
-    out = recipe.output_dir / "model"
-    accelerator.wait_for_everyone()
-    fsdp = recipe.train.fsdp
-    full = _full_state_dict(model, fsdp) if fsdp else None  # a collective: every process takes part
-    if accelerator.is_main_process:
-        net = accelerator.unwrap_model(model)
-        save_dtype = torch_dtype(recipe.save_dtype or ("bf16" if recipe.train.precision == "bf16" else "fp32"))
-        if recipe.train.gradient_checkpointing:
-            (getattr(net, "activation_checkpointing_disable", None) or net.gradient_checkpointing_disable)()
-        if fsdp:
-            full = {k: v.to(save_dtype) for k, v in full.items()}
-        else:
-            net.to(save_dtype)
-        for name, p in (full if fsdp else net.state_dict()).items():
-            require_finite(p, f"fine-tuned tensor {name!r}")
-        mla = dict(net.config.mla)
-        mla["method"] = {**mla.get("method", {}), "finetune": {
-            "steps": state.step, "tokens": state.tokens, "trainable": recipe.train.trainable,
-            "data": recipe.data.train, "recipe": recipe.dump(),
-        }}
-        net.config.mla = mla
-        net.config.use_cache = True
-        with atomic_output_dir(out, force=True) as tmp:  # never through a symlink; nothing half-written
-            net.save_pretrained(tmp, safe_serialization=True, state_dict=full)
-            for written in tmp.glob("*.safetensors"):
-                usual_file_mode(written)
-            if not copy_tokenizer_files(model_dir, tmp):
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
-    accelerator.wait_for_everyone()
-    return out
 
 
 # --- the loop ------------------------------------------------------------------------------------
@@ -570,24 +221,24 @@ class Trainer:
         if accelerator.is_main_process:
             recipe.output_dir.mkdir(parents=True, exist_ok=True)
 
-        self.model_dir, self.converted = _converted_dir(recipe, accelerator, progress)
+        self.model_dir, self.converted = converted_dir(recipe, accelerator, progress)
         model, tokenizer = _load_model(self.model_dir, recipe)
         self.trainable, self.total = _prepare_model(model, recipe)
         self.data = _training_data(recipe, tokenizer)
-        self.eval_ids = _eval_ids(recipe, tokenizer)
+        self.eval_ids = held_out_ids(recipe, tokenizer)
         self.world = world = accelerator.num_processes
         self.total_steps = recipe.total_steps(world)
         B, A = tr.micro_batch_size, tr.grad_accum
         self.sampler = StepSampler(len(self.data), B * A * world, seed=tr.seed)
-        self.held = _shard_model(model, accelerator) if tr.fsdp else None
-        _log(accelerator, (
+        self.held = shard_model(model, accelerator) if tr.fsdp else None
+        log_main(accelerator, (
             f"model {self.model_dir} | trainable {self.trainable:,} of {self.total:,} parameters ({tr.trainable}) | "
             f"{len(self.data)} sequences x {recipe.data.seq_len} tokens from {self.data.documents} documents | "
             f"{self.total_steps} steps x {B * A * world} sequences = {self.total_steps * B * A * world * recipe.data.seq_len:,} tokens | "
-            f"{_hardware(accelerator)}"
+            f"{hardware(accelerator)}"
         ))
         if self.held is not None:
-            _log(accelerator, f"fsdp: trainable values held by each of the {world} processes: {self.held} (of {self.trainable:,})")
+            log_main(accelerator, f"fsdp: trainable values held by each of the {world} processes: {self.held} (of {self.trainable:,})")
 
         opt = recipe.optimizer
         optimizer = torch.optim.AdamW(
@@ -606,7 +257,7 @@ class Trainer:
         self.state = state = TrainerState()
 
         fingerprint = start_model_fingerprint(self.model_dir)
-        self.resume = resume = _resume_dir(recipe)
+        self.resume = resume = resume_dir(recipe)
         if resume is not None and tr.fsdp:
             raise ValueError(f"train.fsdp: cannot resume from {resume} (sharded runs write no checkpoints yet); "
                              "use another output_dir or train without fsdp")
@@ -614,9 +265,9 @@ class Trainer:
             state.load_state_dict(load_training_state(
                 resume, accelerator.unwrap_model(model), optimizer, self.scheduler, rank=accelerator.process_index
             ))
-            _check_resume_layout(resume, state, world, B, A)
-            _check_resume_model(resume, state, fingerprint, self.model_dir, recipe.output_dir)
-            _log(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
+            check_resume_layout(resume, state, world, B, A)
+            check_resume_model(resume, state, fingerprint, self.model_dir, recipe.output_dir)
+            log_main(accelerator, f"resumed from {resume} at step {state.step} ({state.tokens:,} tokens)")
         state.processes, state.sequences_per_step = world, B * A * world
         state.start_model = fingerprint  # a resumed run has been checked to share it
         self.train_wall = 0.0  # this run's training steps: seconds and tokens
@@ -631,12 +282,12 @@ class Trainer:
         # FSDP: every process runs the forward (each layer is gathered from all); only the main one logs.
         if accelerator.is_main_process or recipe.train.fsdp:
             net = accelerator.unwrap_model(self.model)
-            for r in _evaluate(net, self.eval_ids, recipe, accelerator, windows):
+            for r in held_out_perplexity(net, self.eval_ids, recipe, accelerator, windows):
                 row = {"step": state.step, "tokens": state.tokens, "tag": tag, "seq_len": recipe.eval.seq_len, **r}
                 if accelerator.is_main_process:
                     state.eval_log.append(row)
         if accelerator.is_main_process:
-            _log(accelerator, f"step {state.step}: held-out perplexity {row['perplexity']:.3f} ({row['windows']} windows, {tag})")
+            log_main(accelerator, f"step {state.step}: held-out perplexity {row['perplexity']:.3f} ({row['windows']} windows, {tag})")
         accelerator.wait_for_everyone()
         return row
 
@@ -657,7 +308,7 @@ class Trainer:
                 if recipe.checkpoint.every and state.step % recipe.checkpoint.every == 0:
                     self._save_checkpoint()
         except KeyboardInterrupt:
-            _log(self.accelerator, f"interrupted: saving a checkpoint at step {state.step}")
+            log_main(self.accelerator, f"interrupted: saving a checkpoint at step {state.step}")
             return True
         return False
 
@@ -673,7 +324,7 @@ class Trainer:
         # The step's loss is the mean NLL over the scored tokens of every process. DDP averages
         # gradients over the processes, so each one scales its sum by world / (all scored
         # tokens): the gradient is then the one a single process would get for the whole batch.
-        scored = _sum_over_processes(accelerator, sum(int((b["labels"] != IGNORE).sum()) for b in batches))
+        scored = sum_over_processes(accelerator, sum(int((b["labels"] != IGNORE).sum()) for b in batches))
         loss_sum = 0.0
         for a, batch in enumerate(batches):
             batch = {k: v.to(device) for k, v in batch.items()}
@@ -688,7 +339,7 @@ class Trainer:
                 )
                 accelerator.backward(nll * world / max(1, scored))
             loss_sum += nll.item()
-        loss_sum = _sum_over_processes(accelerator, loss_sum)
+        loss_sum = sum_over_processes(accelerator, loss_sum)
         grad_norm = None
         if opt.grad_clip is not None:
             norm = accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip)
@@ -709,14 +360,14 @@ class Trainer:
             "seconds": dt, "epoch": round(self.sampler.epoch(state.step), 4),
         })
         if state.step % tr.log_every == 0 or state.step == 1:
-            _log(accelerator, (
+            log_main(accelerator, (
                 f"step {state.step}/{self.total_steps} loss {loss:.4f} lr {lr:.3g} "
                 f"grad-norm {grad_norm if grad_norm is None else round(grad_norm, 3)} "
                 f"{self.train_tokens / self.train_wall:,.0f} tok/s"
             ))
 
     def _save_checkpoint(self) -> Path:
-        return _save_checkpoint(self.accelerator, self.recipe, self.state, self.model, self.optimizer, self.scheduler)
+        return save_checkpoint(self.accelerator, self.recipe, self.state, self.model, self.optimizer, self.scheduler)
 
     def finish(self, interrupted: bool) -> FinetuneResult:
         """A stopped run: a checkpoint and the logs (re-raising an interruption). A finished one:
@@ -727,7 +378,7 @@ class Trainer:
             if recipe.checkpoint.every == 0 or state.step % recipe.checkpoint.every:
                 self._save_checkpoint()
             if accelerator.is_main_process:
-                _write_logs(recipe, state)
+                write_logs(recipe, state)
             if interrupted:
                 raise KeyboardInterrupt
             final = None
@@ -751,7 +402,7 @@ class Trainer:
             wall_seconds=0.0,
             cpu_seconds=0.0,
             tokens_per_second=self.train_tokens / self.train_wall if self.train_wall else None,
-            hardware=_hardware(accelerator),
+            hardware=hardware(accelerator),
             resumed_from=str(self.resume) if self.resume is not None else None,
             converted_dir=self.converted,
             train_sequences=len(self.data),
@@ -759,10 +410,10 @@ class Trainer:
             trainable_per_process=self.held,
         )
         if done:
-            result.model_dir = str(_save_model(accelerator, self.model, recipe, self.model_dir, state))
+            result.model_dir = str(save_model(accelerator, self.model, recipe, self.model_dir, state))
         result.wall_seconds = time.perf_counter() - self.t_wall
         result.cpu_seconds = time.process_time() - self.t_cpu
         if accelerator.is_main_process:
-            _write_logs(recipe, state, result.to_dict())
+            write_logs(recipe, state, result.to_dict())
         accelerator.end_training()
         return result

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dtypes import torch_dtype
+from ..machine import gpu_environment
 
 __all__ = [
     "BenchUnavailable",
@@ -35,7 +36,6 @@ __all__ = [
     "fit_batch",
     "bench_decode",
     "tune_mla_triton",
-    "environment_info",
 ]
 
 IMPLS = ("mla_triton", "mla_torch_reference", "gqa_sdpa")
@@ -173,25 +173,6 @@ def fit_batch(s: DecodeShape, limit_bytes: float = 60e9, impls=IMPLS) -> DecodeS
     return s
 
 
-def environment_info(device: torch.device | None = None) -> dict:
-    device = device or require_cuda()
-    import triton
-
-    if device.type != "cuda":
-        return dict(gpu="none (CPU dry run)", sm_count=None, gpu_memory_gb=None,
-                    torch_version=torch.__version__, triton_version=triton.__version__,
-                    cuda_version=torch.version.cuda)
-    props = torch.cuda.get_device_properties(device)
-    return dict(
-        gpu=torch.cuda.get_device_name(device),
-        sm_count=props.multi_processor_count,
-        gpu_memory_gb=round(props.total_memory / 1e9, 1),
-        torch_version=torch.__version__,
-        triton_version=triton.__version__,
-        cuda_version=torch.version.cuda,
-    )
-
-
 # ---------------------------------------------------------------------- inputs and callables
 
 
@@ -308,7 +289,7 @@ def bench_decode(
             import triton  # noqa: F401
         except ImportError as exc:
             raise BenchUnavailable(f"triton is not importable: {exc}") from exc
-    env = environment_info(device)
+    env = gpu_environment(device)
     if copy_gbps is None:
         copy_gbps = measure_copy_bandwidth(device)
     rows = []
@@ -351,7 +332,7 @@ def tune_mla_triton(
     from transmla.mla.kernels.triton_decode import default_config, smem_estimate
 
     device = require_cuda(dry_run)
-    env = environment_info(device)
+    env = gpu_environment(device)
     if copy_gbps is None:
         copy_gbps = measure_copy_bandwidth(device)
     s = shape

@@ -33,9 +33,8 @@ import torch
 from ..dtypes import pick_device, torch_dtype
 from ..mla.latent_cache import cache_kwargs
 from ..progress import heartbeat
-from .kv import cache_bytes
-from .kv import kv_summary
-from .report import environment
+from ..eval.kv import cache_bytes, kv_summary
+from ..machine import environment
 
 __all__ = ["bench_generate", "default_dtype", "find_recorded_source", "profile_decode"]
 

@@ -1,0 +1,58 @@
+"""Export settings, declared once: `transmla export`, `convert --format deepseek` (whose output
+settings extend these, convert/options.py) and the library take this dataclass; the CLI derives
+the flags and their help from its fields (schema.option, cli/options.py). Errors name fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import torch_dtype
+from ..schema import option
+from .engines import parse_engines
+from .errors import ExportError
+
+
+@dataclass
+class ExportOptions:
+    engines: str = option(
+        "transformers", "DeepSeek export: engines it must load in exactly, comma-separated: transformers, vllm, "
+        "sglang or all (their rules are checked, before converting where the source decides them; "
+        "`transmla inspect OUTPUT` reports every engine).",
+    )
+    pad_latent: bool = option(
+        False, "DeepSeek export: zero-pad the latent so kv_lora_rank + qk_rope_head_dim is a width vLLM accepts "
+        "(320 or 576): exact, but the cache grows to that width.",
+    )
+    drop_biases: bool = option(
+        False, "Drop attention biases for engines without them (vLLM, SGLang, llama.cpp): lossy, measure it.",
+    )
+    dtype: str | None = option(
+        None, "Output dtype: fp32 | bf16 | fp16 (default: the model's; a DeepSeek export refuses fp16, which "
+        "underflows its latent-norm scaling).",
+    )
+    max_shard_size: str = option("5GB", "Largest safetensors shard, e.g. 5GB, 500MB.")
+    force: bool = option(False, "Replace a non-empty output folder.")
+
+    def __post_init__(self) -> None:
+        from ..checkpoint.writer import parse_size
+
+        parse_engines(self.engines)
+        if self.dtype is not None:
+            torch_dtype(self.dtype)  # fail before any work on a bad name
+        parse_size(self.max_shard_size)
+
+    @property
+    def engine_names(self) -> tuple[str, ...]:
+        """`engines` as engine names, in the order given ("all": every engine)."""
+        return parse_engines(self.engines)
+
+    def refuse_fp16(self) -> None:
+        """The DeepSeek export's refusal of --dtype fp16, before any work."""
+        if self.dtype == "fp16":
+            raise ExportError(
+                "fp16 cannot hold the scaled latent rows that make the latent RMSNorm a no-op "
+                "(they underflow); export as fp32 or bf16"
+            )
+
+
+__all__ = ["ExportOptions"]

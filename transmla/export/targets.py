@@ -1,0 +1,76 @@
+"""Export targets by name: what `transmla export --format NAME` writes, and the one place a target
+is registered (docs/USAGE.md, "Adding an engine export target").
+
+A target is a name, its part of --format's help, and `write(model, output, settings)`: `model` the
+command's MODEL argument (resolved by the target after its own settings are checked), `settings`
+every export flag by field name (ExportOptions' fields, weight_type, tokenizer_pre); it returns
+the summary `transmla export` prints (a table, or JSON with --json).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.resolve import resolve_model_dir
+from .options import ExportOptions
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    name: str  # the --format value
+    help: str  # its part of --format's help
+    write: Callable[[str, Path, dict[str, Any]], dict[str, Any]]
+
+
+def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    from .deepseek import export_deepseek
+
+    options = ExportOptions(**{f.name: settings[f.name] for f in fields(ExportOptions)})
+    options.refuse_fp16()
+    result = export_deepseek(resolve_model_dir(model), output, options)
+    record = result.record
+    return {
+        "output": result.output,
+        "format": result.format,
+        "kv_elements_per_token_per_layer": result.kv_elements_per_token_per_layer,
+        "padded_latent": record["padded_latent"],
+        "dropped_biases": record["dropped_biases"],
+        "rms_norm_eps": f"{record['source_rms_norm_eps']} -> 1e-06" if record["rms_norm_eps_changed"] else "1e-06",
+        **{f"loads in {e}": "yes" if why is None else f"no: {why}" for e, why in result.engines.items()},
+        "files": len(result.files),
+    }
+
+
+def _write_gguf(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Of the export settings only drop_biases and force apply to a GGUF file."""
+    from .gguf import export_gguf
+
+    drop_biases = settings["drop_biases"]
+    gguf = export_gguf(resolve_model_dir(model), output, settings["weight_type"], settings["tokenizer_pre"],
+                       drop_biases=drop_biases, force=settings["force"])
+    return {"output": str(gguf.path), "format": "gguf (llama.cpp deepseek2)", "type": gguf.weight_type,
+            "tokenizer_pre": gguf.tokenizer_pre, "kv_elements_per_token_per_layer": gguf.cache_elements,
+            "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases}
+
+
+TARGETS: dict[str, ExportTarget] = {t.name: t for t in (
+    ExportTarget("deepseek", "a stock DeepseekV3ForCausalLM folder (transformers, vLLM, SGLang)", _write_deepseek),
+    ExportTarget("gguf", "a llama.cpp `deepseek2` GGUF file (llama.cpp, Ollama)", _write_gguf),
+)}
+
+
+def formats_help() -> str:
+    return "; ".join(f"{t.name}: {t.help}" for t in TARGETS.values()) + "."
+
+
+def write_export(format: str, model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Export `model` to `output` as the target `format` writes it; its summary."""
+    if format not in TARGETS:
+        raise ValueError(f"format must be one of {', '.join(TARGETS)}, got {format!r}")
+    return TARGETS[format].write(model, output, settings)
+
+
+__all__ = ["ExportTarget", "TARGETS", "formats_help", "write_export"]
