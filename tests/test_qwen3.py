@@ -139,7 +139,7 @@ def test_reload_inspect_and_exports_refuse(tiny_factory, tmp_path, cli):
     from transmla.export.gguf import export_gguf
 
     with pytest.raises(ExportError, match="k_norm") as refused:
-        export_deepseek(out, tmp_path / "ds", ExportOptions(engines=()), progress=False)
+        export_deepseek(out, tmp_path / "ds", ExportOptions(), progress=False)
     assert "\n" not in str(refused.value)
     with pytest.raises(ExportError, match="k_norm"):
         export_gguf(out, tmp_path / "mla.gguf", progress=False)
