@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import transmla  # noqa: F401  (registers the MLA models)
 from transmla.convert.lowrank import with_bias_column
 from transmla.convert.transmla.bkv import bkv_alpha, joint_pca
-from transmla.convert.transmla.budget import transmla_budget, validate_transmla_shape
+from transmla.convert.transmla.budget import shared_rope_budget, transmla_budget, validate_transmla_shape
 from transmla.convert.assemble import assemble_model
 from transmla.convert.calibrate import mla_attention, collect_layer_stats
 from transmla.convert.options import CalibrationOptions, ConvertOptions
@@ -319,6 +319,22 @@ def test_budget_shapes():
     assert transmla_budget(384, 0.125, 64, 3) == (32, 16)
     assert transmla_budget(2048, 576 / 2048, 128, 8) == (512, 64)
     assert transmla_budget(512, 0.25, 128, 2) == (86, 42)  # Qwen2.5-1.5B at 25%: the third binds
+
+
+def test_shared_rope_budget_shapes():
+    """The exportable shape: r/2 dividing head_dim/2 (one rope grid), up to a whole head within a third of
+    the budget, the latent the rest: 128 + 64 at 50% on SmolLM2 (its rope grid is then the source's own
+    frequencies), the same shapes as the half-head rule rounded to a grid elsewhere."""
+    assert shared_rope_budget(384, 0.5, 64, 3) == (128, 64)
+    assert shared_rope_budget(384, 0.25, 64, 3) == (64, 32)
+    assert shared_rope_budget(384, 0.125, 64, 3) == (32, 16)
+    assert shared_rope_budget(512, 0.5, 128, 2) == (192, 64)  # Qwen2.5-1.5B: the third binds at 42 pairs -> 32
+    assert shared_rope_budget(512, 0.25, 128, 2) == (96, 32)
+    for source, d, g in ((384, 64, 3), (512, 128, 2), (2048, 128, 8), (96, 16, 3)):
+        for fraction in (0.05, 0.125, 0.2, 0.25, 1 / 3, 0.5, 0.75, 0.9):
+            R, r = shared_rope_budget(source, fraction, d, g)
+            assert (d // 2) % (r // 2) == 0 and 2 <= r <= d and R >= 1
+            assert R + r == sum(transmla_budget(source, fraction, d, g))  # the same cache as the native shape
 
 
 def test_validation_errors_and_warning():

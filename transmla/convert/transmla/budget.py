@@ -27,6 +27,23 @@ def transmla_budget(source_kv_elements: int, fraction: float, head_dim: int, num
     return R, r
 
 
+def shared_rope_budget(source_kv_elements: int, fraction: float, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
+    """(R, r) for the exportable shape (one rope grid in every layer, shared_rope_plan): r/2 pairs
+    dividing head_dim/2, as many as fit a third of the budget, up to a whole head; R the rest.
+
+    A whole head rather than transmla_budget's half: at 50% of SmolLM2's cache, rope 64 + latent 128
+    kept the passkey better than rope 32 + latent 160 at the same perplexity
+    (benchmarks/results/retrieval_ladder.md)."""
+    R, r = transmla_budget(source_kv_elements, fraction, head_dim, num_kv_heads)  # validates the budget
+    budget = R + r
+    shared = max(min(2 * (budget // 6), head_dim), 2)
+    while shared > 2 and (head_dim // 2) % (shared // 2):
+        shared -= 2
+    R = min(budget - shared, 2 * num_kv_heads * head_dim - shared)
+    validate_transmla_shape(R, shared, head_dim, num_kv_heads)
+    return R, shared
+
+
 def validate_transmla_shape(kv_lora_rank: int, rope_dim: int, head_dim: int, num_kv_heads: int) -> None:
     """Errors for shapes TransMLA cannot build; a warning when the cache does not shrink."""
     keys = num_kv_heads * head_dim
@@ -51,4 +68,4 @@ def validate_transmla_shape(kv_lora_rank: int, rope_dim: int, head_dim: int, num
         )
 
 
-__all__ = ["transmla_budget", "validate_transmla_shape"]
+__all__ = ["shared_rope_budget", "transmla_budget", "validate_transmla_shape"]

@@ -29,7 +29,7 @@ from ..method import ConversionMethod, StatsNeeds
 from ...schema import option
 from ..budget import check_kv_budget
 from .bkv import assemble_layer, attention_metric, identity_latent, joint_pca
-from .budget import transmla_budget, validate_transmla_shape
+from .budget import shared_rope_budget, transmla_budget, validate_transmla_shape
 from .rorope import (
     auto_fold,
     check_fold,
@@ -282,12 +282,8 @@ def resolve_shape(options: TransMLAOptions, geo: AttentionGeometry) -> tuple[int
     if options.kv_budget is not None:
         if options.kv_lora_rank is not None or options.rope_dim is not None:
             raise ValueError("give either kv_budget or kv_lora_rank/rope_dim, not both")
-        R, r = transmla_budget(source, options.kv_budget, geo.head_dim, geo.num_kv_heads)
-        if options.shared_rope:  # one rope pair per fold group: r/2 must divide d/2; the latent takes the rest
-            shared = min(r, geo.head_dim)
-            while shared > 2 and (geo.head_dim // 2) % (shared // 2):
-                shared -= 2
-            R, r = R + r - shared, shared
+        budget = shared_rope_budget if options.shared_rope else transmla_budget
+        R, r = budget(source, options.kv_budget, geo.head_dim, geo.num_kv_heads)
     else:
         if options.kv_lora_rank is None or options.rope_dim is None:
             raise ValueError("transmla needs kv_lora_rank and rope_dim, or kv_budget")
