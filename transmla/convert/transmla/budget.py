@@ -4,7 +4,9 @@ Cache per token per layer: R + r elements; the source's is 2*g*d. The published 
 third of the budget as rope dims (SmolLM2: 128 + 64, 64 + 32, 32 + 16 for 50/25/12.5%); ours cap them
 at half a head (DeepSeek-V2/V3 keep 64 rope dims of 128-dim heads): SmolLM2 at 50% is 160 + 32, which
 beat 128 + 64 on the dev windows (benchmarks/calib_mix.py, the rope split round); 25% and 12.5% are
-unchanged.
+unchanged. The exportable shapes (one rope grid, shared_rope_budget) allow a whole head instead:
+SmolLM2 at 50% is then 128 + 64, which kept retrieval at length better at the same dev perplexity
+(benchmarks/results/retrieval_ladder.md).
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ def shared_rope_budget(source_kv_elements: int, fraction: float, head_dim: int, 
     """(R, r) for the exportable shape (one rope grid in every layer, shared_rope_plan): r/2 pairs
     dividing head_dim/2, as many as fit a third of the budget, up to a whole head; R the rest.
 
-    A whole head rather than transmla_budget's half: at 50% of SmolLM2's cache, rope 64 + latent 128
-    kept the passkey better than rope 32 + latent 160 at the same perplexity
-    (benchmarks/results/retrieval_ladder.md)."""
+    A whole head rather than transmla_budget's half (module docstring)."""
     R, r = transmla_budget(source_kv_elements, fraction, head_dim, num_kv_heads)  # validates the budget
     budget = R + r
     shared = max(min(2 * (budget // 6), head_dim), 2)
