@@ -23,9 +23,8 @@ from transmla.convert.calibrate import mla_attention, collect_layer_stats
 from transmla.convert.options import CalibrationOptions, ConvertOptions
 from transmla.convert.layers import source_layers
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
+from transmla.convert.transmla.fold import auto_fold, fold_candidates
 from transmla.convert.transmla.rorope import (
-    auto_fold,
-    fold_candidates,
     kept_frequencies,
     logit_error,
     pair_second_moment,

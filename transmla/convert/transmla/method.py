@@ -30,11 +30,10 @@ from ...schema import option
 from ..budget import check_kv_budget
 from .bkv import assemble_layer, attention_metric, identity_latent, joint_pca
 from .budget import shared_rope_budget, transmla_budget, validate_transmla_shape
+from .fold import auto_fold, fold_candidates
 from .rorope import (
-    auto_fold,
     check_fold,
     component_scores,
-    fold_candidates,
     kept_frequencies,
     logit_error,
     nope_scales,
@@ -62,7 +61,7 @@ class TransMLAPlan:
 
     kv_lora_rank: int  # R = d_c
     rope_dim: int  # r = d_r (whole pairs)
-    freqfold: int | str = "auto"  # F; "auto": F = d/r (rorope.auto_fold); "logit": per layer, least expected logit error
+    freqfold: int | str = "auto"  # F; "auto": F = d/r (fold.auto_fold); "logit": per layer, least expected logit error
     selection: str = "score"  # score (ours: top components by expected score change) | uniform (published)
     frequencies: str = "published"  # published | weighted (frequency of a folded component)
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
@@ -174,7 +173,7 @@ def source_logit_energy(src: SourceAttention, m: "LayerMoments", context: int) -
 
 
 def choose_rope(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan) -> tuple[RopeChoice, dict[int, float]]:
-    """The RoRoPE/FreqFold choice for one layer: freqfold F, "auto" (F = d/r, rorope.auto_fold) or
+    """The RoRoPE/FreqFold choice for one layer: freqfold F, "auto" (F = d/r, fold.auto_fold) or
     "logit" (the fold among fold_candidates with the smallest expected logit error,
     rorope.logit_error). Returns the choice and every tried fold's relative error."""
     d = src.geometry.head_dim
