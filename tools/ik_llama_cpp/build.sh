@@ -1,0 +1,39 @@
+#!/bin/sh
+# Build ik_llama.cpp as vendored by the ik-llama-cpp-python 0.1.5 sdist (the llama.cpp fork with MLA
+# modes -mla 1/2/3 and CPU flash MLA kernels) into a cache outside the work tree, once; later runs reuse
+# it. Only what tests and benchmarks run is built: libllama (shared), llama-perplexity, llama-bench and
+# llama-batched-bench. The sdist lacks common/cmake/build-info-gen-cpp.cmake, so common/build-info.cpp
+# is written here from its template first.
+#
+#   tools/ik_llama_cpp/build.sh [DIR]   (DIR defaults to $IK_LLAMA_CPP_DIR or ~/.cache/transmla/ik_llama.cpp-0.1.5)
+set -eu
+VERSION=0.1.5
+DIR=${1:-${IK_LLAMA_CPP_DIR:-$HOME/.cache/transmla/ik_llama.cpp-$VERSION}}
+PY=${PYTHON:-python3}
+JOBS=${JOBS:-2}
+BIN=$DIR/build/bin
+TARGETS="llama llama-perplexity llama-bench llama-batched-bench"
+
+built=yes
+for t in llama-perplexity llama-bench llama-batched-bench; do [ -x "$BIN/$t" ] || built=no; done
+if [ $built = yes ]; then
+    exit 0
+fi
+mkdir -p "$DIR"
+SRC=$DIR/src
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+    "$PY" -m pip download -q --no-deps --no-binary :all: "ik-llama-cpp-python==$VERSION" -d "$DIR/sdist"
+    rm -rf "$DIR/unpack" && mkdir -p "$DIR/unpack"
+    tar xzf "$DIR/sdist/ik_llama_cpp_python-$VERSION.tar.gz" -C "$DIR/unpack"
+    rm -rf "$SRC" && mv "$DIR/unpack/ik_llama_cpp_python-$VERSION/vendor/ik_llama.cpp" "$SRC"
+    rm -rf "$DIR/unpack"
+fi
+sed -e 's/@BUILD_NUMBER@/0/' -e "s/@BUILD_COMMIT@/ik-llama-cpp-python-$VERSION/" \
+    -e "s/@BUILD_COMPILER@/$(${CXX:-g++} --version | head -1 | tr -d '"')/" -e 's/@BUILD_TARGET@/native/' \
+    "$SRC/common/build-info.cpp.in" >"$SRC/common/build-info.cpp"
+start=$(date +%s)
+cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=ON -DGGML_NATIVE=ON -DGGML_CCACHE=OFF >"$DIR/cmake.log"
+cmake --build "$DIR/build" -j "$JOBS" --target $TARGETS >"$DIR/build.log"
+echo "ik_llama.cpp $VERSION built in $(( $(date +%s) - start )) s: $BIN" >&2
