@@ -9,7 +9,7 @@ the reference decode's einsums 39%, `cat` 18% (the cache grew by concatenation),
 whole latent cache copied to mask it), `copy_` 13%. Each setting here is one bench_generate call with
 PROFILE_STEPS profiled steps after one timed repetition, the MLA model (the converted_model of
 generate_bench) against the source with a StaticCache (its faster stock cache at these contexts), one
-thread each. The C kernels show as transmla::cpu_decode_kernel (fused_rows.py names them).
+thread each. The C kernels show as transmla::cpu_decode_kernel (kernels/backends.py names them).
 
 Writes benchmarks/results/decode_profile.json and decode_profile.md (the machine and load with them).
 """

@@ -76,14 +76,14 @@ def assert_kernel_decode_equals_source(model, source, ids, prompt: int, steps: i
     absorbed decode runs in the CPU C kernel and every step's logits equal the source's (fp32, 1e-5)."""
     from transmla.mla.kernels import cpu_decode
 
-    calls, original = [], cpu_decode.decode_kernel
+    calls, original = [], cpu_decode.KERNEL.load
 
-    def counted(*shape):
+    def counted(*shape):  # (dtype, rows, width, d_c)
         calls.append(shape)
         return original(*shape)
 
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_decode, "decode_kernel", counted)
+        mp.setattr(cpu_decode.KERNEL, "load", counted)
         gen = model.generate(ids[:, :prompt], max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
         ref = source(gen.sequences).logits

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from transmla.mla.kernels import cpu_decode
-from transmla.mla.kernels.fused_rows import attend_rows
+from transmla.mla.kernels.backends import attend_rows
 from transmla.mla.kernels.reference import mla_decode_reference
 
 from test_fast_decode import random_mla_model, reference_logits
@@ -49,7 +49,7 @@ def test_kernel_equals_reference_decode(B, S, H, W, d_c, threads):
     rows = torch.randn(B, S + 9, W)[:, :S]  # [B, S, W], batch stride (S + 9) * W
     q_rows = torch.randn(B, 1, H, W) * 3
     out = on_threads(threads, cpu_decode.mla_decode_cpu, q_rows, rows, d_c, 0.2)
-    assert out is not None, cpu_decode.kernel_status()
+    assert out is not None, cpu_decode.KERNEL.status()
     assert out.shape == (B, 1, H, d_c)
     torch.testing.assert_close(out, _reference(q_rows, rows, d_c, 0.2), atol=1e-5, rtol=1e-5)
 
@@ -67,9 +67,9 @@ def test_amx_kernel_matches_the_reference_to_bf16_rounding(B, S, H, W, d_c, thre
     q_rows = (torch.randn(B, 1, H, W) * 3).bfloat16()
     out = on_threads(threads, cpu_decode.mla_decode_cpu, q_rows, rows, d_c, 0.2)
     if not HAS_AMX:
-        assert out is None and cpu_decode.kernel_status("bf16")[(H, W, d_c)].startswith("unavailable: ")
+        assert out is None and cpu_decode.KERNEL.status("bf16")[(H, W, d_c)].startswith("unavailable: ")
         return
-    assert out is not None, cpu_decode.kernel_status("bf16")
+    assert out is not None, cpu_decode.KERNEL.status("bf16")
     assert out.shape == (B, 1, H, d_c) and out.dtype == torch.bfloat16
     ref = _reference(q_rows.double(), rows.double(), d_c, 0.2)
     err = (out.double() - ref).abs().max()
@@ -92,8 +92,8 @@ def test_the_profiler_sees_the_kernels_by_name():
         attend_rows(torch.randn(1, 1, 3, 32), rows, 16, 0.2)  # one new token: decode
         attend_rows(torch.randn(1, 40, 3, 32), rows, 16, 0.2, fold_max_queries=8)  # a prompt: prefill
     names = {e.key for e in prof.key_averages()}
-    assert "transmla::cpu_decode_kernel" in names, (names, cpu_decode.kernel_status())
-    assert "transmla::cpu_prefill_kernel" in names, (names, cpu_prefill.kernel_status())
+    assert "transmla::cpu_decode_kernel" in names, (names, cpu_decode.KERNEL.status())
+    assert "transmla::cpu_prefill_kernel" in names, (names, cpu_prefill.KERNEL.status())
 
 
 def test_kernel_refuses_what_it_does_not_cover():
@@ -107,10 +107,10 @@ def test_kernel_refuses_what_it_does_not_cover():
     assert cpu_decode.supports(torch.randn(2, 1, 3, 32), rows, 16)
 
 
-def without_kernel_cache(monkeypatch, tmp_path, kernel=cpu_decode.decode_kernel):
+def without_kernel_cache(monkeypatch, tmp_path, kernel=cpu_decode.KERNEL):
     """Kernels built into tmp_path from now on; ``kernel``'s loaded shapes forgotten."""
     monkeypatch.setenv("TRANSMLA_CACHE", str(tmp_path))
-    kernel.cache_clear()
+    kernel.forget()
 
 
 def test_no_compiler_falls_back_to_sdpa_with_the_reason(monkeypatch, tmp_path):
@@ -119,27 +119,31 @@ def test_no_compiler_falls_back_to_sdpa_with_the_reason(monkeypatch, tmp_path):
     try:
         q_rows, rows = torch.randn(2, 1, 3, 32), torch.randn(2, 20, 32)
         assert cpu_decode.mla_decode_cpu(q_rows, rows, 16, 0.3) is None
-        assert "no-such-compiler-here" in cpu_decode.kernel_status()[(3, 32, 16)]
+        assert "no-such-compiler-here" in cpu_decode.KERNEL.status()[(3, 32, 16)]
         out = attend_rows(q_rows, rows, 16, 0.3)  # the SDPA path
         torch.testing.assert_close(out, _reference(q_rows, rows, 16, 0.3), atol=1e-5, rtol=1e-5)
         assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
     finally:
-        cpu_decode.decode_kernel.cache_clear()
+        cpu_decode.KERNEL.forget()
 
 
 def test_a_failing_build_leaves_nothing_and_the_env_switch_turns_it_off(monkeypatch, tmp_path):
     without_kernel_cache(monkeypatch, tmp_path)
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_decode, "SOURCE", bad)
+    monkeypatch.setitem(cpu_decode.KERNEL.sources, "fp32", bad)
     try:
-        assert cpu_decode.decode_kernel(3, 32, 16) is None
-        assert cpu_decode.kernel_status()[(3, 32, 16)].startswith("unavailable: ")
+        assert cpu_decode.KERNEL.load("fp32", 3, 32, 16) is None
+        assert cpu_decode.KERNEL.status()[(3, 32, 16)].startswith("unavailable: ")
         assert [p.name for p in (tmp_path / "kernels").iterdir()] == []
     finally:
-        cpu_decode.decode_kernel.cache_clear()
-    monkeypatch.setenv("TRANSMLA_CPU_KERNEL", "0")
-    assert not cpu_decode.supports(torch.randn(2, 1, 3, 32), torch.randn(2, 10, 32), 16)
+        cpu_decode.KERNEL.forget()
+    calls, original = [], cpu_decode.mla_decode_cpu
+    monkeypatch.setattr(cpu_decode, "mla_decode_cpu", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setenv("TRANSMLA_KERNEL", "sdpa")  # the model's attention stays off the kernels
+    q_rows, rows = torch.randn(2, 1, 3, 32), torch.randn(2, 10, 32)
+    torch.testing.assert_close(attend_rows(q_rows, rows, 16, 0.3), _reference(q_rows, rows, 16, 0.3))
+    assert calls == []
 
 
 def test_generate_through_the_kernel_equals_the_full_forward(tiny_factory):
@@ -147,18 +151,18 @@ def test_generate_through_the_kernel_equals_the_full_forward(tiny_factory):
     step's logits equal a full causal pass without a cache (expanded attention), fp32 1e-5."""
     model = random_mla_model(tiny_factory, d_c=16, d_r=16)
     calls = []
-    original = cpu_decode.decode_kernel
+    original = cpu_decode.KERNEL.load
 
-    def counted(*shape):
+    def counted(*shape):  # (dtype, rows, width, d_c)
         calls.append(shape)
         return original(*shape)
 
     prompt = torch.randint(0, 97, (3, 70))  # past one 64-key tile
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_decode, "decode_kernel", counted)
+        mp.setattr(cpu_decode.KERNEL, "load", counted)
         out = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
-    assert calls and set(calls) == {(6, 32, 16)} and original(6, 32, 16) is not None
+    assert calls and set(calls) == {("fp32", 6, 32, 16)} and original("fp32", 6, 32, 16) is not None
     with torch.no_grad():
         for step, logits in enumerate(out.logits):
             ref = reference_logits(model, out.sequences[:, : prompt.shape[1] + step])
@@ -168,7 +172,7 @@ def test_generate_through_the_kernel_equals_the_full_forward(tiny_factory):
 def test_bf16_generate_through_the_amx_kernel(tiny_factory, monkeypatch):
     """A bf16 model whose rows fit the kernels: greedy generate() for several steps after a 70-token
     prompt runs its decode steps through the AMX kernel where it builds; each step's logits agree with
-    the same steps on PyTorch's SDPA (TRANSMLA_CPU_KERNEL=0) to bf16 precision and stay as near the fp32
+    the same steps on PyTorch's SDPA (TRANSMLA_KERNEL=sdpa) to bf16 precision and stay as near the fp32
     model's as SDPA's."""
     model = random_mla_model(tiny_factory, d_c=16, d_r=16)
     prompt = torch.randint(0, 97, (3, 70))
@@ -185,11 +189,11 @@ def test_bf16_generate_through_the_amx_kernel(tiny_factory, monkeypatch):
         return out
 
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr("transmla.mla.kernels.fused_rows.mla_decode_cpu", counted)
+        mp.setattr(cpu_decode, "mla_decode_cpu", counted)
         fast = model.generate(prompt, **kwargs)
     assert calls and set(calls) == {(torch.bfloat16, HAS_AMX)}
-    assert HAS_AMX == (cpu_decode.kernel_status("bf16").get((6, 32, 16)) == "compiled")
-    monkeypatch.setenv("TRANSMLA_CPU_KERNEL", "0")
+    assert HAS_AMX == (cpu_decode.KERNEL.status("bf16").get((6, 32, 16)) == "compiled")
+    monkeypatch.setenv("TRANSMLA_KERNEL", "sdpa")
     with torch.no_grad():
         sdpa = model.generate(prompt, **kwargs)
     assert torch.equal(fast.sequences, sdpa.sequences)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from transmla.mla.kernels import cpu_prefill
-from transmla.mla.kernels.fused_rows import attend_rows
+from transmla.mla.kernels.backends import attend_rows
 from transmla.mla.kernels.reference import mla_decode_reference
 from transmla.mla.latent_cache import LatentCache, cache_kwargs
 
@@ -41,7 +41,7 @@ def test_kernel_equals_reference_attention(B, T, S, H, W, d_c, threads):
     rows = torch.randn(B, S + 9, W)[:, :S]  # [B, S, W], batch stride (S + 9) * W
     q_rows = torch.randn(B, T, H, W) * 2
     out = on_threads(threads, cpu_prefill.mla_prefill_cpu, q_rows, rows, d_c, 0.2)
-    assert out is not None, cpu_prefill.kernel_status()
+    assert out is not None, cpu_prefill.KERNEL.status()
     assert out.shape == (B, T, H, d_c)
     torch.testing.assert_close(out, _reference(q_rows, rows, d_c, 0.2), atol=1e-5, rtol=1e-5)
 
@@ -57,9 +57,9 @@ def test_amx_kernel_matches_the_reference_to_bf16_rounding(B, T, S, H, W, d_c, t
     q_rows = (torch.randn(B, T, H, W) * 2).bfloat16()
     out = on_threads(threads, cpu_prefill.mla_prefill_cpu, q_rows, rows, d_c, 0.2)
     if not HAS_AMX:
-        assert out is None and cpu_prefill.kernel_status("bf16")[(H, W, d_c)].startswith("unavailable: ")
+        assert out is None and cpu_prefill.KERNEL.status("bf16")[(H, W, d_c)].startswith("unavailable: ")
         return
-    assert out is not None, cpu_prefill.kernel_status("bf16")
+    assert out is not None, cpu_prefill.KERNEL.status("bf16")
     assert out.shape == (B, T, H, d_c) and out.dtype == torch.bfloat16
     ref = _reference(q_rows, rows, d_c, 0.2).double()
     err = (out.double() - ref).abs().max()
@@ -88,17 +88,17 @@ def test_kernel_refuses_what_it_does_not_cover():
 
 
 def test_no_compiler_falls_back_to_sdpa(monkeypatch, tmp_path):
-    without_kernel_cache(monkeypatch, tmp_path, cpu_prefill.prefill_kernel)
+    without_kernel_cache(monkeypatch, tmp_path, cpu_prefill.KERNEL)
     monkeypatch.setenv("CC", "no-such-compiler-here")
     try:
         q_rows, rows = torch.randn(2, 20, 3, 32), torch.randn(2, 20, 32)
         assert cpu_prefill.mla_prefill_cpu(q_rows, rows, 16, 0.3) is None
-        assert "no-such-compiler-here" in cpu_prefill.kernel_status()[(3, 32, 16)]
+        assert "no-such-compiler-here" in cpu_prefill.KERNEL.status()[(3, 32, 16)]
         out = attend_rows(q_rows, rows, 16, 0.3)  # the SDPA path
         torch.testing.assert_close(out, _reference(q_rows, rows, 16, 0.3), atol=1e-5, rtol=1e-5)
         assert not list(tmp_path.rglob("*.so"))
     finally:
-        cpu_prefill.prefill_kernel.cache_clear()
+        cpu_prefill.KERNEL.forget()
 
 
 def counting_kernel_calls():
@@ -123,7 +123,7 @@ def test_prefill_and_a_chunk_through_the_kernel_equal_the_full_forward(tiny_fact
 
     cache = LatentCache(model.config.num_hidden_layers, 100)
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr("transmla.mla.kernels.fused_rows.mla_prefill_cpu", counted)
+        mp.setattr(cpu_prefill, "mla_prefill_cpu", counted)
         model(ids[:, :70], **cache_kwargs(cache), use_cache=True)
         chunk = model(ids[:, 70:], **cache_kwargs(cache), use_cache=True).logits  # [2, 30, vocab]
     assert set(calls) == {(70, 70, True), (30, 100, True)}
@@ -136,7 +136,7 @@ def test_prefill_and_a_chunk_through_the_kernel_equal_the_full_forward(tiny_fact
 def test_bf16_prefill_and_a_chunk_through_the_amx_kernel(tiny_factory, monkeypatch):
     """A bf16 model whose rows fit the kernels: a 70-token prompt, then a 30-token chunk on its cache, run
     through the AMX kernel where it builds; the chunk's logits agree with the same calls on PyTorch's
-    SDPA (TRANSMLA_CPU_KERNEL=0) to bf16 precision, and both stay near the fp32 model's."""
+    SDPA (TRANSMLA_KERNEL=sdpa) to bf16 precision, and both stay near the fp32 model's."""
     model = random_mla_model(tiny_factory, d_c=16, d_r=16)
     ids = torch.randint(0, 97, (2, 100))
     calls, counted = counting_kernel_calls()
@@ -150,10 +150,10 @@ def test_bf16_prefill_and_a_chunk_through_the_amx_kernel(tiny_factory, monkeypat
     exact = chunk_logits(model)
     model = model.bfloat16()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("transmla.mla.kernels.fused_rows.mla_prefill_cpu", counted)
+        mp.setattr(cpu_prefill, "mla_prefill_cpu", counted)
         fast = chunk_logits(model)
     assert set(calls) == {(70, 70, HAS_AMX), (30, 100, HAS_AMX)}
-    monkeypatch.setenv("TRANSMLA_CPU_KERNEL", "0")
+    monkeypatch.setenv("TRANSMLA_KERNEL", "sdpa")
     sdpa = chunk_logits(model)
     scale = exact.abs().max()
     assert (fast - sdpa).abs().max() <= 0.02 * scale

@@ -10,7 +10,7 @@ from transformers import AutoConfig, DynamicCache
 
 from transmla.eval.kv import cache_elements
 from transmla.mla.config import MLAConfig
-from transmla.mla.kernels.fused_rows import attend_rows
+from transmla.mla.kernels.backends import attend_rows
 from transmla.mla.kernels.reference import mla_decode_reference
 from transmla.mla.latent_cache import LatentCache, LatentLayer
 from transmla.mla.model import build_mla_model, mla_config_for, set_decode_mode

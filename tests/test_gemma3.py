@@ -88,7 +88,7 @@ def test_sliding_layer_applies_its_own_window(tiny_factory, tmp_path):
     both forms and decode one token at a time through a LatentCache, where the CPU decode kernel
     reads exactly the window's rows; equal to the source attention under its sliding mask."""
     from transmla.mla import model as mla_model
-    from transmla.mla.kernels import fused_rows
+    from transmla.mla.kernels import cpu_decode
     from transmla.mla.latent_cache import LatentCache
 
     source, path = tiny_factory("gemma3_text", **GEMMA3)
@@ -107,7 +107,7 @@ def test_sliding_layer_applies_its_own_window(tiny_factory, tmp_path):
             mla_model.set_decode_mode(model, mode)
             assert_logits_close(attn(x, position_ids=pos)[0], want)
         mla_model.set_decode_mode(model, "auto")
-        read, original = [], fused_rows.mla_decode_cpu
+        read, original = [], cpu_decode.mla_decode_cpu
 
         def counted(q_rows, rows, d_c, scale):
             read.append(rows.shape[1])
@@ -115,7 +115,7 @@ def test_sliding_layer_applies_its_own_window(tiny_factory, tmp_path):
 
         cache = LatentCache(3)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fused_rows, "mla_decode_cpu", counted)
+            mp.setattr(cpu_decode, "mla_decode_cpu", counted)
             attn(x[:, :12], position_ids=pos[:, :12], **cache_kwargs(cache))
             steps = [attn(x[:, t : t + 1], position_ids=pos[:, t : t + 1], **cache_kwargs(cache))[0] for t in range(12, T)]
     assert_logits_close(torch.cat(steps, dim=1), want[:, 12:])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -210,7 +211,7 @@ def test_triton_rejects_bad_inputs():
 
 
 def test_backend_torch_is_the_reference(monkeypatch):
-    monkeypatch.delenv("TRANSMLA_ATTN_BACKEND", raising=False)
+    monkeypatch.delenv("TRANSMLA_KERNEL", raising=False)
     q, qr, c, kr, sl = make_inputs(2, 1, 3, 8, 16, 8, [8, 3], torch.float32, "cpu")
     out = mla_decode(q, qr, c, kr, 0.1, sl, backend="torch")
     torch.testing.assert_close(out, mla_decode_reference(q, qr, c, kr, 0.1, sl))
@@ -221,18 +222,18 @@ def test_backend_torch_is_the_reference(monkeypatch):
 
 def test_auto_backend_and_env_override(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv("TRANSMLA_ATTN_BACKEND", raising=False)
+    monkeypatch.delenv("TRANSMLA_KERNEL", raising=False)
     assert resolve_backend("auto", cpu) == "torch"  # auto never picks the interpreter
     assert resolve_backend("torch", cpu) == "torch"
-    monkeypatch.setenv("TRANSMLA_ATTN_BACKEND", "torch")
+    monkeypatch.setenv("TRANSMLA_KERNEL", "torch")
     if torch.cuda.is_available():
         assert resolve_backend("auto", torch.device("cuda")) == "torch"
     if DEVICE is not None:  # an explicit backend ignores the env var
         assert resolve_backend("triton", torch.device(DEVICE)) == "triton"
-    monkeypatch.setenv("TRANSMLA_ATTN_BACKEND", "bogus")
+    monkeypatch.setenv("TRANSMLA_KERNEL", "bogus")
     with pytest.raises(ValueError):
         resolve_backend("auto", cpu)
-    monkeypatch.setenv("TRANSMLA_ATTN_BACKEND", "triton")
+    monkeypatch.setenv("TRANSMLA_KERNEL", "triton")
     if DEVICE == "cpu":  # interpreter active: the env var forces the kernel on CPU tensors
         assert resolve_backend("auto", cpu) == "triton"
     elif not torch.cuda.is_available():
@@ -242,7 +243,7 @@ def test_auto_backend_and_env_override(monkeypatch):
 
 @needs_triton
 def test_forced_triton_backend_runs_kernel(monkeypatch):
-    monkeypatch.delenv("TRANSMLA_ATTN_BACKEND", raising=False)
+    monkeypatch.delenv("TRANSMLA_KERNEL", raising=False)
     assert "triton" in available_backends(DEVICE)
     q, qr, c, kr, sl = make_inputs(2, 2, 3, 21, 48, 16, [21, 5], torch.float32, DEVICE)
     out = mla_decode(q, qr, c, kr, 0.1, sl, backend="triton", num_splits=2, block_n=16)
@@ -255,9 +256,10 @@ def test_forced_triton_backend_runs_kernel(monkeypatch):
 # ------------------------------------------------------------------ GPU code generation, no GPU
 
 _SM90_SCRIPT = r"""
-import json, torch
+import json, sys, torch
 from transmla.mla.kernels import triton_decode as td
-from transmla.mla.kernels.triton_compile_report import compile_report
+sys.path.insert(0, sys.argv[1])  # tools/: the compile report is a developer tool, not in the package
+from triton_compile_report import compile_report
 td._device_limits = lambda index: (132, 227 * 1024)  # H100 SXM: 132 SMs, 227 KiB opt-in smem
 cfg = td.default_config(64, 32, 8192, 512, 64, torch.bfloat16, torch.device("cuda", 0))
 try:
@@ -282,7 +284,8 @@ def test_goal_config_compiles_for_sm90_without_spills():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True,
+    tools = str(Path(__file__).resolve().parent.parent / "tools")
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, tools], capture_output=True, text=True,
                           env=env, timeout=300)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("REPORT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

@@ -187,7 +187,7 @@ def profile_decode(model, ids: torch.Tensor, steps: int, cache_kind: str, seed: 
     profiler (CPU activities): {"steps", "ms_per_step" (wall while profiling, its overhead included),
     "ops": the PROFILE_TOP ops of largest self time, each {"op", "ms_per_step", "share"} of that wall,
     then "(outside torch ops)": wall minus every op's self time (Python and the model's glue)}. The C
-    kernels appear as transmla::cpu_decode_kernel / cpu_prefill_kernel (fused_rows.py names them)."""
+    kernels appear as transmla::cpu_decode_kernel / cpu_prefill_kernel (kernels/backends.py names them)."""
     from torch.profiler import ProfilerActivity, profile
 
     cache, logits, _ = _fill(model, ids, steps, cache_kind, False, seed)
@@ -285,8 +285,8 @@ def _mla_attention(model, device: str, prefill: bool) -> dict[str, str]:
     shape = (model.config.num_attention_heads, m["kv_lora_rank"] + m["qk_rope_head_dim"], m["kv_lora_rank"])
     fp32 = next(model.parameters()).dtype == torch.float32
     dtype, kernel = ("fp32", "c-kernel") if fp32 else ("bf16", "amx-kernel")
-    decode = kernel if cpu_decode.kernel_status(dtype).get(shape) == "compiled" else "sdpa"
-    prefill_ran = kernel if cpu_prefill.kernel_status(dtype).get(shape) == "compiled" else "sdpa"
+    decode = kernel if cpu_decode.KERNEL.status(dtype).get(shape) == "compiled" else "sdpa"
+    prefill_ran = kernel if cpu_prefill.KERNEL.status(dtype).get(shape) == "compiled" else "sdpa"
     return {"decode_attention": decode, "prefill_attention": prefill_ran if prefill else "-"}
 
 

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MLAConfig
-from .kernels import mla_decode
-from .kernels.fused_rows import attend_rows
+from .kernels.backends import attend_rows
 from .latent_cache import cached_rows
 from .window import sliding_window
 
@@ -247,13 +246,10 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self.up_weights()
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # [B, T, H, d_c]
         # The K bias of kv_b_proj adds q_nope . b_k[h] to every score of a query: softmax drops it.
-        if mask is None and rows.device.type == "cuda":  # the Triton kernel (reference twin elsewhere)
-            latent, k_rope = rows[..., : c.kv_lora_rank], rows[..., c.kv_lora_rank :]
-            o_lat = mla_decode(q_lat, q_rope, latent, k_rope, c.softmax_scale)  # [B, T, H, d_c]
-        else:  # MQA with one KV head [c | k_r]: PyTorch's fused SDPA (the mask only for padding)
-            q_rows = torch.cat((q_lat, q_rope), dim=-1)  # [B, T, H, d_c + d_r]
-            o_lat = attend_rows(q_rows, rows, c.kv_lora_rank, c.softmax_scale, mask,
-                                fold_max_queries=c.absorb_max_query_tokens)  # [B, T, H, d_c]
+        # MQA with one KV head [c | k_r] in the kernel backend that takes the call (kernels/backends.py)
+        q_rows = torch.cat((q_lat, q_rope), dim=-1)  # [B, T, H, d_c + d_r]
+        o_lat = attend_rows(q_rows, rows, c.kv_lora_rank, c.softmax_scale, mask,
+                            fold_max_queries=c.absorb_max_query_tokens)  # [B, T, H, d_c]
         out = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # [B, T, H, d_v]
         if self.kv_b_proj.bias is not None:  # V bias passes through (weights sum to one)
             b_v = self.kv_b_proj.bias.view(c.num_heads, -1)[:, c.qk_nope_head_dim :]
@@ -263,7 +259,7 @@ class MLAAttention(nn.Module):
     # -- prefill in the absorbed form with W_UK and W_UV folded into the projections ---------
     def _folds(self, batch: int, q_len: int) -> bool:
         """Fold W_UK / W_UV into the weights for a prefill-sized call (decode steps keep the per-token
-        einsums and, on CUDA, the Triton kernel): folding costs about what one token per input
+        einsums and their kernel backends): folding costs about what one token per input
         feature costs in einsums, and pays when the folded linears are no wider than the ones they
         replace (d_c <= d_nope, d_c <= d_v: no more work per token, no per-head einsum or concatenation)."""
         c = self.config

@@ -22,8 +22,9 @@ typedef uint16_t bf16;
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* Linux hands out AMX state only to processes that ask: 0 when granted (oneDNN asks too). */
-static inline int amx_permit(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
+/* Linux hands out AMX state only to processes that ask: 0 when granted (oneDNN asks too). Every AMX
+ * library exports it under this one name; cpu_build.CKernel calls it once after loading. */
+int mla_amx_permit(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
 
 /* This thread's tile registers 0-7: 16 rows of 64 bytes each; with depth_tail (16) tile 6 is an A operand
  * of depth_tail bf16 per row and tile 7 a B operand of depth_tail / 2 pair rows (a row width that is not a

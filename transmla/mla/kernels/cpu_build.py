@@ -4,9 +4,10 @@ Each kernel is compiled with the machine's C compiler (``$CC`` or ``cc``; -O3 -m
 ``$TRANSMLA_CACHE/kernels`` (default ~/.cache/transmla/kernels), once per shape (its -D defines)
 and source version (the source and the shared headers are hashed into the file name), atomically
 (a half-written library is never loaded), and loaded with ctypes (a call releases the GIL).
-Without a compiler, or when the build fails, ``load_kernel`` returns None with the reason in
-``STATUS`` and callers keep PyTorch's SDPA: the kernels are optimisations, never requirements.
-``TRANSMLA_CPU_KERNEL=0`` turns them off.
+Each kernel is one ``CKernel`` (cpu_decode.KERNEL, cpu_prefill.KERNEL): the one loader, status and
+AMX-permission code for both. Without a compiler, or when the build fails, ``CKernel.load`` returns None
+with the reason in ``STATUS`` and callers keep PyTorch's SDPA: the kernels are optimisations, never
+requirements. ``TRANSMLA_KERNEL=sdpa`` (backends.py) keeps the model off them.
 """
 
 from __future__ import annotations
@@ -20,34 +21,30 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-__all__ = ["ENV_OFF", "STATUS", "build", "enabled", "fits", "load_kernel", "pool"]
+__all__ = ["CKernel", "DTYPES", "STATUS", "build", "fits", "pool"]
 
 KERNEL_DIR = Path(__file__).parent  # the kernels' sources and the headers they include
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # cpu_vector.h, cpu_amx.h
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
-ENV_OFF = "TRANSMLA_CPU_KERNEL"
-STATUS: dict[tuple, str] = {}  # {(kernel, *shape): "compiled" or "unavailable: why"}
+STATUS: dict[tuple, str] = {}  # {(kernel, dtype, *shape): "compiled" or "unavailable: why"}
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "kernels"
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def fits(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, max_heads: int, dtype: torch.dtype = torch.float32) -> bool:
-    """What every kernel needs: enabled, no autograd (the kernels have no backward), CPU, the kernel's
+    """What every kernel needs: no autograd (the kernels have no backward), CPU, the kernel's
     dtype, q_rows [B, T, H, W] with H <= max_heads, rows [B, S, W] with contiguous rows (any batch
     stride), W and d_c multiples of 16, d_c <= W."""
     H, W = q_rows.shape[-2:]
     grad = torch.is_grad_enabled() and (q_rows.requires_grad or rows.requires_grad)
-    return (enabled() and not grad and q_rows.device.type == "cpu" and q_rows.dtype == dtype
+    return (not grad and q_rows.device.type == "cpu" and q_rows.dtype == dtype
             and rows.dtype == dtype and H <= max_heads and W % 16 == 0 and d_c % 16 == 0
             and 0 < d_c <= W and rows.shape[-1] == W and rows.stride(-1) == 1 and rows.stride(1) == W)
 
@@ -78,38 +75,67 @@ def build(source: Path, stem: str, defines: tuple[str, ...]) -> Path:
     return target
 
 
-def load_kernel(key: tuple, source: Path, stem: str, defines: tuple[str, ...], symbols: dict[str, tuple]):
-    """{name: ctypes function} of the library built from ``source``, or None (reason in STATUS[key]).
-    ``symbols``: {name: (restype, argtypes)}."""
-    try:
-        lib = ctypes.CDLL(str(build(source, stem, defines)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        STATUS[key] = f"unavailable: {exc}"
-        return None
-    functions = {}
-    for name, (restype, argtypes) in symbols.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, list(argtypes)
-        functions[name] = fn
-    STATUS[key] = "compiled"
-    return functions
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the kernels' dtypes; bf16 runs on AMX tiles
 
 
-def load_amx_kernel(key: tuple, source: Path, stem: str, defines: tuple[str, ...], symbols: dict[str, tuple],
-                    permit: str):
-    """load_kernel for an AMX kernel, which also asks Linux for the tile state through its ``permit``
-    symbol (arch_prctl ARCH_REQ_XCOMP_PERM, called once here); None when that is refused."""
-    functions = load_kernel(key, source, stem, defines, {permit: (ctypes.c_int, ()), **symbols})
-    if functions is not None and functions[permit]() != 0:
-        STATUS[key] = "unavailable: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        return None
-    return functions
+@dataclass
+class CKernel:
+    """One CPU kernel (decode or prefill): an fp32 C source and a bf16 AMX one, each built once per shape
+    (query rows, row width, value width) and loaded with ctypes. ``load`` gives {symbol: function} or None,
+    with the reason in ``status``; an AMX library also exports ``mla_amx_permit`` (cpu_amx.h), called once
+    after loading to ask Linux for the tile state (None when refused)."""
 
+    name: str  # "decode" | "prefill": the status key and the libraries' file stem
+    sources: dict[str, Path]  # {"fp32": path, "bf16": path}
+    symbols: dict[str, dict[str, tuple]]  # {"fp32": {symbol: (restype, argtypes)}, "bf16": {...}}
+    max_heads: dict[str, int]  # query rows per sequence the kernel of each dtype holds
+    heads_define: str = "H"  # the C macro of the query-row count
+    _loaded: dict[tuple, dict | None] = field(default_factory=dict, repr=False)
 
-def kernel_status(kind: str) -> dict[tuple, str]:
-    """{shape: "compiled" or "unavailable: why"} of every kernel of this kind ("decode", "prefill-bf16",
-    ...) asked for so far in this process."""
-    return {key[1:]: status for key, status in STATUS.items() if key[0] == kind}
+    def fits(self, q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
+        """Can one of the kernels run these operands (module ``fits``, with that kernel's head limit)?"""
+        dtype = DTYPES.get(q_rows.dtype)
+        return dtype is not None and fits(q_rows, rows, d_c, self.max_heads[dtype], q_rows.dtype)
+
+    def load(self, dtype: str, heads: int, width: int, d_c: int) -> dict | None:
+        """{symbol: ctypes function} of the kernel of ``dtype`` ("fp32" | "bf16") for this shape, built on
+        first use, or None (reason in ``status(dtype)``)."""
+        key = (self.name, dtype, heads, width, d_c)
+        if key not in self._loaded:
+            self._loaded[key] = self._build_and_load(key, dtype, (f"-D{self.heads_define}={heads}",
+                                                                  f"-DW={width}", f"-DDC={d_c}"))
+        return self._loaded[key]
+
+    def _build_and_load(self, key: tuple, dtype: str, defines: tuple[str, ...]) -> dict | None:
+        amx = dtype == "bf16"
+        symbols = {"mla_amx_permit": (ctypes.c_int, ()), **self.symbols[dtype]} if amx else self.symbols[dtype]
+        stem = f"mla_{self.name}_{dtype}_" + "_".join(d[2:].replace("=", "").lower() for d in defines)
+        try:
+            lib = ctypes.CDLL(str(build(self.sources[dtype], stem, defines)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            STATUS[key] = f"unavailable: {exc}"
+            return None
+        functions = {}
+        for name, (restype, argtypes) in symbols.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, list(argtypes)
+            functions[name] = fn
+        if amx and functions["mla_amx_permit"]() != 0:
+            STATUS[key] = "unavailable: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+            return None
+        STATUS[key] = "compiled"
+        return functions
+
+    def status(self, dtype: str = "fp32") -> dict[tuple, str]:
+        """{(heads, width, d_c): "compiled" or "unavailable: why"} of every shape of the ``dtype`` kernel
+        asked for so far in this process."""
+        return {key[2:]: s for key, s in STATUS.items() if key[:2] == (self.name, dtype)}
+
+    def forget(self) -> None:
+        """Forget the loaded shapes (the next ``load`` builds or finds them again)."""
+        for key in self._loaded:
+            STATUS.pop(key, None)
+        self._loaded.clear()
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,9 +5,9 @@ PyTorch's fused SDPA on the CPU is compute-bound on one latent KV head shared by
 (kernels/NOTES.md has the measurements); the C kernel reads each row once into L1 and does the
 scores, an online softmax and the value product there. In bf16 the AMX kernel reads each cached row
 as a tile and does the products on the matrix unit. They are built on first use, once per
-shape (query rows, row width, value width), by cpu_build.py; without a compiler (or AMX, for bf16), or
-when the build fails, ``decode_kernel`` / ``amx_decode_kernel`` return None once with the reason in
-``kernel_status`` and callers keep PyTorch's SDPA. ``TRANSMLA_CPU_KERNEL=0`` turns them off.
+shape (query rows, row width, value width), by ``KERNEL`` (cpu_build.CKernel); without a compiler (or AMX,
+for bf16), or when the build fails, ``KERNEL.load`` returns None once with the reason in ``KERNEL.status``
+and callers keep PyTorch's SDPA.
 
 Used for: CPU, fp32 or bf16, one query token per sequence (decode), no padding mask, width and value
 width multiples of 16, at most MAX_ROWS (fp32) or AMX_MAX_ROWS (bf16) query heads.
@@ -16,54 +16,29 @@ width multiples of 16, at most MAX_ROWS (fp32) or AMX_MAX_ROWS (bf16) query head
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from . import cpu_build
-from .cpu_build import fits, load_amx_kernel, load_kernel, pool
+from .cpu_build import CKernel, pool
 
-__all__ = ["AMX_MAX_ROWS", "MAX_ROWS", "amx_decode_kernel", "decode_kernel", "kernel_status", "mla_decode_cpu",
-           "supports"]
+__all__ = ["AMX_MAX_ROWS", "KERNEL", "MAX_ROWS", "mla_decode_cpu", "supports"]
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-AMX_SOURCE = Path(__file__).with_name("cpu_decode_amx.c")
 MIN_PART_ROWS = 2048  # cached rows per thread below which one sequence is not split
 MAX_ROWS = 64  # query rows (heads) per sequence: the kernel keeps M x d_c accumulators on its stack
 AMX_MAX_ROWS = 16  # the bf16 kernel holds all heads of a sequence in the 16 lanes / tile rows
-_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-         ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+         ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_RUN = {"fp32": "mla_decode_fp32", "bf16": "mla_decode_amx"}  # the entry point of each library
+KERNEL = CKernel("decode", {"fp32": Path(__file__).with_name("cpu_decode.c"),
+                            "bf16": Path(__file__).with_name("cpu_decode_amx.c")},
+                 {dtype: {symbol: (None, _ARGS)} for dtype, symbol in _RUN.items()},
+                 {"fp32": MAX_ROWS, "bf16": AMX_MAX_ROWS}, heads_define="M")
 
 
 def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
     """Can a kernel run this call? q_rows [B, 1, H, W], rows [B, S, W], fp32 or bf16."""
-    return q_rows.shape[1] == 1 and (fits(q_rows, rows, d_c, MAX_ROWS)
-                                     or fits(q_rows, rows, d_c, AMX_MAX_ROWS, torch.bfloat16))
-
-
-@functools.lru_cache(maxsize=None)
-def decode_kernel(rows: int, width: int, d_c: int):
-    """The compiled kernel's function for this shape, or None (reason in kernel_status())."""
-    lib = load_kernel(("decode", rows, width, d_c), SOURCE, f"mla_decode_m{rows}_w{width}_dc{d_c}",
-                      (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}"), {"mla_decode_fp32": (None, _ARGS)})
-    return None if lib is None else lib["mla_decode_fp32"]
-
-
-@functools.lru_cache(maxsize=None)
-def amx_decode_kernel(rows: int, width: int, d_c: int):
-    """The bf16 kernel's function for this shape, or None (reason in kernel_status("bf16")): no AMX-BF16
-    in the CPU or compiler, or Linux did not grant the tile state."""
-    lib = load_amx_kernel(("decode-bf16", rows, width, d_c), AMX_SOURCE, f"mla_decode_amx_m{rows}_w{width}_dc{d_c}",
-                          (f"-DM={rows}", f"-DW={width}", f"-DDC={d_c}"), {"mla_decode_amx": (None, _ARGS)},
-                          permit="mla_decode_amx_permit")
-    return None if lib is None else lib["mla_decode_amx"]
-
-
-def kernel_status(dtype: str = "fp32") -> dict[tuple, str]:
-    """{(rows, width, d_c): "compiled" or "unavailable: why"} for every decode shape asked for so far, of
-    the fp32 kernel or (dtype "bf16") the AMX one."""
-    return cpu_build.kernel_status("decode" if dtype == "fp32" else "decode-bf16")
+    return q_rows.shape[1] == 1 and KERNEL.fits(q_rows, rows, d_c)
 
 
 def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
@@ -76,9 +51,11 @@ def mla_decode_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_s
     if not supports(q_rows, rows, d_c):
         return None
     B, _, H, W = q_rows.shape
-    fn = (amx_decode_kernel if q_rows.dtype == torch.bfloat16 else decode_kernel)(H, W, d_c)
-    if fn is None:
+    dtype = "bf16" if q_rows.dtype == torch.bfloat16 else "fp32"
+    lib = KERNEL.load(dtype, H, W, d_c)
+    if lib is None:
         return None
+    fn = lib[_RUN[dtype]]
     S = rows.shape[1]
     q = q_rows.contiguous()
     item = q.element_size()  # bytes per value of q and rows; outputs and parts are fp32 (4 bytes)

@@ -37,9 +37,6 @@
 #define QT (WF + (WT > 0))         /* query tiles */
 #define CT (DC / 16)               /* column tiles of the value */
 
-/* Linux hands out AMX state only to processes that ask: 0 when granted. */
-int mla_decode_amx_permit(void) { return amx_permit(); }
-
 /* 16 x 16 transpose of 32-bit elements: r[i][j] <- r[j][i]. */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];

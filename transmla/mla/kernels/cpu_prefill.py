@@ -2,12 +2,12 @@
 (portable C), bf16 in cpu_prefill_amx.c (AMX tiles; built only where the CPU has AMX-BF16).
 
 PyTorch's fused SDPA on the CPU needs the value as wide as the key, so the absorbed prefill
-(fused_rows.attend_rows: H query heads against one KV head, key = value = the cached row [c | k_r])
+(sdpa_rows.py: H query heads against one KV head, key = value = the cached row [c | k_r])
 multiplies by all W columns of a row where the value is its first d_c: 9 x (96 + 96) multiply-adds
 per query-key pair at 25% of SmolLM2's cache against 9 x (96 + 64) in the kernel, which also shares
 each key block among all heads of 16 query tokens. Built on first use, once per shape (heads, row
-width, value width), by cpu_build.py; without a compiler, or when the build fails, ``prefill_kernel``
-returns None with the reason in ``kernel_status`` and callers keep PyTorch's SDPA.
+width, value width), by ``KERNEL`` (cpu_build.CKernel); without a compiler, or when the build fails,
+``KERNEL.load`` returns None with the reason in ``KERNEL.status`` and callers keep PyTorch's SDPA.
 
 In bf16, PyTorch's SDPA can run on AMX, yet most of its time at long context is outside the products;
 the AMX kernel does the scores and the value product in tiles (kernels/NOTES.md has the measurements).
@@ -20,56 +20,31 @@ blocks are dealt out to them in turn (the causal work grows with the position).
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from pathlib import Path
 
 import torch
 
-from . import cpu_build
-from .cpu_build import fits, load_amx_kernel, load_kernel, pool
+from .cpu_build import CKernel, pool
 
-__all__ = ["amx_kernel", "kernel_status", "mla_prefill_cpu", "prefill_kernel", "supports"]
+__all__ = ["KERNEL", "MAX_HEADS", "mla_prefill_cpu", "supports"]
 
-SOURCE = Path(__file__).with_name("cpu_prefill.c")
-AMX_SOURCE = Path(__file__).with_name("cpu_prefill_amx.c")
 QUERY_BLOCK = 16  # query tokens per block (QB in cpu_prefill.c and cpu_prefill_amx.c)
 KEY_BLOCK = 64  # keys per packed block (KB in both)
 MAX_HEADS = 64
+_P, _N = ctypes.c_void_p, ctypes.c_long
+KERNEL = CKernel("prefill", {"fp32": Path(__file__).with_name("cpu_prefill.c"),
+                             "bf16": Path(__file__).with_name("cpu_prefill_amx.c")},
+                 {"fp32": {"mla_prefill_pack": (None, (_P, _N, _N, _N, _P)),
+                           "mla_prefill_fp32": (ctypes.c_int, (_P, _P, _P, _N, _N, _P, _N, _N))},
+                  "bf16": {"mla_prefill_amx_pack": (None, (_P, _N, _N, _N, _P, _P)),
+                           "mla_prefill_amx": (ctypes.c_int, (_P, _P, _P, _N, _N, ctypes.c_float, _P, _N, _N))}},
+                 {"fp32": MAX_HEADS, "bf16": MAX_HEADS})
 
 
 def supports(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
     """Can a kernel run this call? q_rows [B, T, H, W], rows [B, S, W] with T <= S, fp32 or bf16."""
-    return 0 < q_rows.shape[1] <= rows.shape[1] and (fits(q_rows, rows, d_c, MAX_HEADS)
-                                                     or fits(q_rows, rows, d_c, MAX_HEADS, torch.bfloat16))
-
-
-@functools.lru_cache(maxsize=None)
-def prefill_kernel(heads: int, width: int, d_c: int):
-    """{"mla_prefill_pack": fn, "mla_prefill_fp32": fn} compiled for this shape, or None (reason in kernel_status())."""
-    p, n = ctypes.c_void_p, ctypes.c_long
-    return load_kernel(("prefill", heads, width, d_c), SOURCE, f"mla_prefill_h{heads}_w{width}_dc{d_c}",
-                       (f"-DH={heads}", f"-DW={width}", f"-DDC={d_c}"),
-                       {"mla_prefill_pack": (None, (p, n, n, n, p)),
-                        "mla_prefill_fp32": (ctypes.c_int, (p, p, p, n, n, p, n, n))})
-
-
-@functools.lru_cache(maxsize=None)
-def amx_kernel(heads: int, width: int, d_c: int):
-    """{"mla_prefill_amx_pack": fn, "mla_prefill_amx": fn} (bf16) for this shape, or None (reason in
-    kernel_status("bf16")): no AMX-BF16 in the CPU or compiler, or Linux did not grant the tile state."""
-    p, n = ctypes.c_void_p, ctypes.c_long
-    return load_amx_kernel(("prefill-bf16", heads, width, d_c), AMX_SOURCE, f"mla_prefill_amx_h{heads}_w{width}_dc{d_c}",
-                           (f"-DH={heads}", f"-DW={width}", f"-DDC={d_c}"),
-                           {"mla_prefill_amx_pack": (None, (p, n, n, n, p, p)),
-                            "mla_prefill_amx": (ctypes.c_int, (p, p, p, n, n, ctypes.c_float, p, n, n))},
-                           permit="mla_prefill_amx_permit")
-
-
-def kernel_status(dtype: str = "fp32") -> dict[tuple, str]:
-    """{(heads, width, d_c): "compiled" or "unavailable: why"} for every prefill shape asked for so far,
-    of the fp32 kernel or (dtype "bf16") the AMX one."""
-    return cpu_build.kernel_status("prefill" if dtype == "fp32" else "prefill-bf16")
+    return 0 < q_rows.shape[1] <= rows.shape[1] and KERNEL.fits(q_rows, rows, d_c)
 
 
 def mla_prefill_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float) -> torch.Tensor | None:
@@ -81,7 +56,7 @@ def mla_prefill_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_
     S = rows.shape[1]
     blocks = -(-S // KEY_BLOCK)
     if q_rows.dtype == torch.bfloat16:
-        kernel = amx_kernel(H, W, d_c)
+        kernel = KERNEL.load("bf16", H, W, d_c)
         if kernel is None:
             return None
         q = q_rows.contiguous()  # [B, T, H, W]: the kernel scales the fp32 scores
@@ -93,7 +68,7 @@ def mla_prefill_cpu(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_
         call = lambda b, out, first, threads: kernel["mla_prefill_amx"](
             q[b].data_ptr(), keys[b].data_ptr(), values[b].data_ptr(), T, S, scale2, out.data_ptr(), first, threads)
     else:
-        kernel = prefill_kernel(H, W, d_c)
+        kernel = KERNEL.load("fp32", H, W, d_c)
         if kernel is None:
             return None
         q = (q_rows * (softmax_scale * math.log2(math.e))).contiguous()  # [B, T, H, W]: the kernel's softmax is base 2

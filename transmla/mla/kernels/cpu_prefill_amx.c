@@ -35,9 +35,6 @@
 #define WS (WP / 32)               /* depth steps of the scores */
 #define CT (DC / 16)               /* column tiles of the value (DC % 16 == 0 is checked by the caller) */
 
-/* Linux hands out AMX state only to processes that ask: 0 when granted. */
-int mla_prefill_amx_permit(void) { return amx_permit(); }
-
 /* Packed per key block k (keys beyond S are zero):
  *   keys   kp + k * WS * 4 * PAIRS: [WS][4 key groups][16 dim pairs][16 keys][2]
  *   values vp + k * 2 * CT * PAIRS: [2 key halves][CT column tiles][16 key pairs][16 columns][2]

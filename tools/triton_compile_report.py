@@ -1,7 +1,10 @@
 """Ahead-of-time compile report of the Triton decode kernel, for machines without a GPU: what an
 NVIDIA arch (sm_90 = H100) would get (shared memory, registers, spills, cp.async pipelining) from the
-kernel of triton_decode.py at a launch config. A development aid (tests/test_triton_decode.py uses
-it), kept out of the runtime kernel module."""
+kernel of transmla/mla/kernels/triton_decode.py at a launch config. A developer tool, not part of the
+runtime package (tests/test_triton_decode.py uses it; kernels/NOTES.md chose the launch configs with it).
+
+    python tools/triton_compile_report.py [--d-c 512] [--d-r 64] [--block-h 32] ...   # prints JSON
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import os
 import torch
 import triton
 
-from .triton_decode import INTERPRET, _mla_decode_split_kernel
+from transmla.mla.kernels.triton_decode import INTERPRET, _mla_decode_split_kernel
 
 
 def compile_report(
@@ -100,3 +103,20 @@ def compile_report(
 
 
 __all__ = ["compile_report"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("d_c", "d_r", "block_h", "block_n", "num_warps", "num_stages", "num_splits", "arch"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=compile_report.__kwdefaults__[name])
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    args = vars(parser.parse_args(argv))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.pop("dtype")]
+    print(json.dumps(compile_report(dtype=dtype, **args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
