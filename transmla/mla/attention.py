@@ -9,6 +9,8 @@ kv_b_proj = per head [W_UK[h]; W_UV[h]]. Two equal ways to attend (which one run
   o_lat = sum_t p_t c_t, out_h = W_UV[h] o_lat — MQA over the latent, nothing expanded.
   For many tokens at once (prefill) W_UK is folded into the query projection and W_UV into o_proj
   (``_folds``): one linear gives [q_lat | q_rope] per head, one linear maps o_lat to the output.
+  The absorbed attention itself runs in the one kernel dispatch, kernels/backends.attend_rows
+  (Triton on CUDA, C kernels on the CPU, PyTorch's SDPA for the rest).
 QK-norm (config.qk_norm): the query linears read q~ = q_norm(q_pre_proj x) per head and kv_a_proj
 reads [k~ | x] with k~ = k_norm(k_pre_proj x) per KV head: only how a cache row is computed changes,
 not how it is read.
