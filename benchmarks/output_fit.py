@@ -36,6 +36,12 @@ the source cache. Settings, each on top of the previous (the ablation):
   fit's error on its own sequences rose (0.040 against 0.031 at 50%, 0.127 against 0.104 at 25%): with 256
   it had fitted them, not the layer. transmla.convert.output_fit.DEFAULT_FIT_CALIBRATION is (1024, 64)
   since; the conversion time is in the cli rows.
+- fit-200-n1024 and fit-200-n1024-mb1024 (session of 2026-11-26, 12:40; the fit-cost round of issue 36)
+  ask whether Adam's steps should see 1024 tokens (16 sequences) instead of 2048: on a Xeon without AMX
+  (AVX-512 BF16 only) a step of 1024 fp32 tokens took 21 s a layer against 33 s for 2048 (44 s under bf16
+  autocast, which is why the CLI runs fp32 there now; benchmarks/results/fit_cost.md). Both in fp32, one
+  thread, the same CPU and run. Rule, written before it was measured: mb1024 becomes the default only if its
+  dev32 at 25% in the exportable shape is at most 0.5% above fit-200-n1024's.
 And "cli": `transmla convert` itself with every default (the calibration mix of benchmarks/calib_mix
 included: wiki=3,lee=1,code=2 since the session of 2026-11-25 09:20), timed with /usr/bin/time, then the
 final windows below. Earlier cli rows are kept under their own names, not rerun: cli@fixed-lr (before
@@ -105,6 +111,7 @@ def settings() -> list[tuple[str, str, str]]:
         out += [("export", budget, s) for s in ("method", "o_proj", "fit-100", "fit-200", "fit-200-bf16")]
     out.append(("export", "50%", "fit-300-bf16"))  # rejected at 50%, the other budgets left unrun (docstring)
     out += [("export", "50%", "fit-200-bf16-n1024"), ("export", "25%", "fit-200-bf16-n1024")]  # fit-sequences round
+    out += [("export", "25%", "fit-200-n1024"), ("export", "25%", "fit-200-n1024-mb1024")]  # fit-cost round
     for budget in ("25%", "50%", "12.5%"):
         out += [("native", budget, s) for s in ("method", "fit-100", "fit-200")]
     # earlier cli rows (KEPT_CLI: before the fit's lr backoff, before the lee mix, before the rope cap), kept, not rerun
@@ -136,7 +143,8 @@ def fit_of(setting: str) -> FitSettings | None:
     if setting == "o_proj":
         return FitSettings(steps=0)
     steps, *variants = setting.removeprefix("fit-").split("-")
-    return FitSettings(steps=int(steps), bf16="bf16" in variants)
+    minibatch = [int(v[2:]) for v in variants if v[:2] == "mb" and v[2:].isdigit()]
+    return FitSettings(steps=int(steps), bf16="bf16" in variants, **({"minibatch_tokens": minibatch[0]} if minibatch else {}))
 
 
 def fit_samples(setting: str) -> int:

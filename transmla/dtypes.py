@@ -27,12 +27,12 @@ def pick_device(device: str) -> str:
 
 
 def fast_bf16_matmul(device: str) -> bool:
-    """Whether bf16 matrix products run natively on `device` (a CUDA GPU with bf16, or a CPU with AMX
-    or AVX-512 BF16); elsewhere bf16 is emulated and slower than fp32."""
+    """Whether bf16 matrix products pay on `device`: a CUDA GPU with bf16, or a CPU with AMX tiles.
+    AVX-512 BF16 alone does not count: it has bf16 dot products, but oneDNN's bf16 training passes
+    (the output fit's) ran slower than fp32 there (benchmarks/results/fit_cost.md)."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 __all__ = ["DEVICES", "DTYPES", "fast_bf16_matmul", "pick_device", "torch_dtype"]

@@ -53,6 +53,7 @@ class FitSettings:
     bf16: bool = False  # Adam's forward and backward under bf16 autocast (fp32 weights, loss and closed forms)
     closed_form: bool = True  # o_proj in closed form before and after Adam
     seed: int = 0
+    minibatch_tokens: int = MINIBATCH_TOKENS  # tokens per Adam step (whole fit sequences)
 
 
 def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int):
@@ -173,7 +174,7 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
     """
     N, T, _ = x.shape
     attn = mla_attention(config, layer, x.device, index)  # float32
-    batch = max(1, MINIBATCH_TOKENS // T)  # sequences per forward
+    batch = max(1, settings.minibatch_tokens // T)  # sequences per forward and per Adam step
     position_ids = torch.arange(T, device=x.device)[None]
     attn.eval()  # the expanded path, differentiable; no cache
     before = output_error(attn, x, z, position_ids, batch)

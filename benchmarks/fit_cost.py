@@ -1,0 +1,182 @@
+"""Where a conversion's time goes (issue 36): `transmla convert` run in this process with every stage
+timed, on the built-in SmolLM2-135M, and the output fit's cost per layer under its settings.
+
+    .venv/bin/python -m benchmarks.fit_cost                 # the default 25% conversion, then the report
+    .venv/bin/python -m benchmarks.fit_cost --budget 0.5 --shared-rope
+    .venv/bin/python -m benchmarks.fit_cost --variants      # also the fit of layers 2 and 12 under each setting
+    .venv/bin/python -m benchmarks.fit_cost --report        # only rewrite the table
+
+Stages (seconds summed over the layers, wall time of this process):
+- statistics: the calibration grams (calibrate._StatsAccumulator.add);
+- method: the method's own algebra per layer (RoRoPE, FreqFold, BKV-PCA);
+- fit targets: the source attention's input and output on the fit sequences (_source_attention_io);
+- fit Adam: the Adam steps (output_fit.adam_fit); fit closed forms: o_proj's ridge solutions and the
+  output errors (refit_o_proj, output_error);
+- the rest: reading weights, the source layers' forward on the calibration and fit streams (the
+  propagation), writing the checkpoint.
+--variants fits layers 2 and 12 of the same conversion again under each FIT_VARIANTS setting (the same
+x, z and start layer) and records seconds and the relative output error on the fit tokens.
+
+The machine (CPU, whether it has AMX or AVX-512 BF16), its threads and load are recorded with every row.
+Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import transmla.convert.calibrate as calibrate
+import transmla.convert.output_fit as output_fit
+import transmla.convert.pipeline as pipeline
+
+from transmla.dtypes import fast_bf16_matmul
+
+from .common import RESULTS, load_json, log, machine, save_json
+
+OUT_JSON = RESULTS / "fit_cost.json"
+OUT_MD = RESULTS / "fit_cost.md"
+MODEL = "smollm2-135m"
+VARIANT_LAYERS = (2, 12)
+FIT_VARIANTS = (  # (name, minibatch tokens, bf16 autocast)
+    ("2048 tokens, bf16 autocast", 2048, True),
+    ("2048 tokens, fp32", 2048, False),
+    ("1024 tokens, bf16 autocast", 1024, True),
+    ("1024 tokens, fp32", 1024, False),
+    ("512 tokens, fp32", 512, False),
+)
+STAGES = ("statistics", "method", "fit targets", "fit Adam", "fit closed forms")
+
+
+def cpu_flags() -> dict:
+    return {"amx": bool(torch.cpu._is_amx_tile_supported()), "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported())}
+
+
+class StageClock:
+    """Seconds per stage, by wrapping the module functions each stage runs (restored on exit)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.variants: list[dict] = []
+
+    def _wrap(self, owner, name: str, stage: str, undo: list) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[stage] += time.perf_counter() - start
+
+        undo.append((owner, name, fn))
+        setattr(owner, name, timed)
+
+    @contextmanager
+    def installed(self, variants: bool):
+        undo: list = []
+        self._wrap(calibrate._StatsAccumulator, "add", "statistics", undo)
+        self._wrap(pipeline.LayerStream, "_convert", "method", undo)
+        self._wrap(calibrate, "_source_attention_io", "fit targets", undo)
+        self._wrap(output_fit, "adam_fit", "fit Adam", undo)
+        self._wrap(output_fit, "refit_o_proj", "fit closed forms", undo)
+        self._wrap(output_fit, "output_error", "fit closed forms", undo)
+        if variants:
+            fit_layer = pipeline.fit_layer
+
+            def fit_with_variants(config, layer, x, z, settings, index=0):
+                if index in VARIANT_LAYERS:
+                    for name, tokens, bf16 in FIT_VARIANTS:
+                        s = output_fit.FitSettings(steps=settings.steps, lr=settings.lr, seed=settings.seed,
+                                                   minibatch_tokens=tokens, bf16=bf16)
+                        start = time.perf_counter()
+                        _, info = output_fit.fit_layer(config, layer, x, z, s, index)
+                        self.variants.append({"layer": index, "setting": name, "seconds": time.perf_counter() - start,
+                                              "output_error": info["output_error"], "fit_lr": info.get("fit_lr")})
+                    self.seconds = dict.fromkeys(STAGES, 0.0) | {"(variants, not counted)": 0.0}
+                return fit_layer(config, layer, x, z, settings, index)
+
+            undo.append((pipeline, "fit_layer", fit_layer))
+            pipeline.fit_layer = fit_with_variants
+        try:
+            yield self
+        finally:
+            for owner, name, fn in reversed(undo):
+                setattr(owner, name, fn)
+
+
+def run(budget: float, shared_rope: bool, variants: bool, out: Path) -> dict:
+    from transmla.cli.app import main as cli_main
+
+    argv = ["convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget), "--force"]
+    argv += ["--shared-rope"] if shared_rope else []
+    clock = StageClock()
+    load = os.getloadavg()[0]
+    with clock.installed(variants):
+        start = time.perf_counter()
+        code = cli_main(argv)
+        if code:
+            raise SystemExit(f"transmla convert failed with exit code {code}")
+        wall = time.perf_counter() - start
+    if variants:  # the variant fits ran inside the wall time: the stages only count what the default ran
+        wall -= sum(v["seconds"] for v in clock.variants)
+    stages = {k: round(v, 1) for k, v in clock.seconds.items() if not k.startswith("(")}
+    stages["the rest"] = round(wall - sum(stages.values()), 1)
+    return {
+        "command": "transmla " + " ".join(argv[:2] + ["OUT"] + argv[3:]),
+        "wall_seconds": round(wall, 1), "stages": stages, "variants": clock.variants,
+        "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "load_before": load},
+        "fit_bf16": fast_bf16_matmul("cpu"),  # what the CLI's fit ran under
+    }
+
+
+def report(rows: dict) -> str:
+    lines = ["# Where a conversion's time goes (SmolLM2-135M, TransMLA, the CLI's defaults)", "",
+             "Made by `python -m benchmarks.fit_cost` (stages in its docstring). Seconds are wall time of the",
+             "conversion process; threads and load as recorded.", "",
+             "| conversion | CPU (AMX, AVX-512 BF16) | threads, load | fit under | total min | "
+             + " | ".join(STAGES) + " | the rest |", "|---" * (6 + len(STAGES)) + "|"]
+    for key, r in rows.items():
+        m, f = r["machine"], r["machine"]["cpu_flags"]
+        st = r["stages"]
+        lines.append(f"| {r['command']} | {m.get('cpu', m.get('machine'))} ({'yes' if f['amx'] else 'no'}, "
+                     f"{'yes' if f['avx512_bf16'] else 'no'}) | {m['threads']}, {m['load_before']:.1f} | "
+                     f"{'bf16' if r['fit_bf16'] else 'fp32'} | {r['wall_seconds'] / 60:.1f} | "
+                     + " | ".join(f"{st[s]:.0f}" for s in STAGES) + f" | {st['the rest']:.0f} |")
+    variant_rows = [(key, v) for key, r in rows.items() for v in r["variants"]]
+    if variant_rows:
+        lines += ["", "## The fit of one layer under each setting (same layer, inputs and targets; 200 Adam steps)", "",
+                  "| CPU (AMX) | layer | setting | seconds | output error before -> after | lr |", "|---|---|---|---|---|---|"]
+        for key, v in variant_rows:
+            m = rows[key]["machine"]
+            lines.append(f"| {m.get('cpu', m.get('machine'))} ({'yes' if m['cpu_flags']['amx'] else 'no'}) | {v['layer']} | "
+                         f"{v['setting']} | {v['seconds']:.1f} | {v['output_error'][0]:.4f} -> {v['output_error'][1]:.4f} | {v['fit_lr']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--shared-rope", action="store_true")
+    parser.add_argument("--variants", action="store_true", help="also fit layers 2 and 12 under each FIT_VARIANTS setting")
+    parser.add_argument("--report", action="store_true", help="only rewrite the table")
+    parser.add_argument("--out", type=Path, default=Path(".cache/fit-cost"))
+    args = parser.parse_args(argv)
+    rows = load_json(OUT_JSON) if OUT_JSON.exists() else {}
+    if not args.report:
+        row = run(args.budget, args.shared_rope, args.variants, args.out)
+        key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
+        rows[key] = row
+        save_json(OUT_JSON, rows)
+        log(f"{row['command']}: {row['wall_seconds'] / 60:.1f} min {row['stages']}")
+    OUT_MD.write_text(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
