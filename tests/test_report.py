@@ -100,6 +100,41 @@ def test_compare_lossless_report(tiny, cli, tmp_path):
         _assert_png(out / name)
 
 
+def test_a_toy_result_field_is_a_change_in_one_room(tiny, cli, tmp_path, monkeypatch):
+    """docs/USAGE.md, "Adding a result field": a field of ModelEntry, set in model_entry() and given a row
+    by compare_rows(), all three in eval/report.py, reaches report.json (both models, in declaration
+    order), report.md and the --json line's source entry, with nothing else changed."""
+    import dataclasses
+
+    from transmla.eval import report as rep
+
+    entry_type = dataclasses.make_dataclass("ModelEntry", [("toy_score", float | None, dataclasses.field(default=None))],
+                                            bases=(rep.ModelEntry,))
+    monkeypatch.setattr(entry_type, "OPTIONAL", rep.ModelEntry.OPTIONAL + ("toy_score",))
+    plain_entry, plain_rows = rep.model_entry, rep.compare_rows
+
+    def model_entry(spec, role, *args, **kwargs):
+        entry = plain_entry(spec, role, *args, **kwargs)  # builds the module's ModelEntry: the toy one
+        return dataclasses.replace(entry, toy_score=len(role) / 10)
+
+    def compare_rows(report):
+        header, rows = plain_rows(report)
+        return header, rows + [["toy score", *(f"{m['toy_score']:.1f}" for m in report["models"])] + [""]]
+
+    monkeypatch.setattr(rep, "ModelEntry", entry_type)
+    monkeypatch.setattr(rep, "model_entry", model_entry)
+    monkeypatch.setattr(rep, "compare_rows", compare_rows)
+    out = tmp_path / "report"
+    code, stdout, err = cli("eval", tiny["mla"], "--compare", tiny["src"], "--data", tiny["text"],
+                            "--seq-len", SEQ, "--max-windows", 2, "--report", out, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["source"]["toy_score"] == pytest.approx(0.6)  # len("source") / 10
+    models = json.loads((out / "report.json").read_text())["models"]
+    assert [m["toy_score"] for m in models] == pytest.approx([0.6, 0.9])  # source, converted
+    assert list(models[0])[-1] == "toy_score"
+    assert "| toy score | 0.6 | 0.9 |" in (out / "report.md").read_text()
+
+
 def test_compare_table_on_stdout(tiny, cli):
     code, stdout, err = cli("eval", tiny["mla"], "--compare", tiny["src"], "--data", tiny["text"],
                             "--seq-len", SEQ, "--max-windows", 2, "--measure-cache", 0)
