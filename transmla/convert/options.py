@@ -80,7 +80,7 @@ class OutputOptions(ExportOptions):
     extend (export/options.py); the export settings apply only to --format deepseek."""
 
     format: str = option(
-        "native", "native (our MLA format) | deepseek (a stock DeepseekV3ForCausalLM folder; implies --shared-rope).",
+        "native", "native (our MLA format) | deepseek (a stock DeepseekV3ForCausalLM folder; needs --shared-rope, TransMLA's default).",
         flag="--format",
     )
 

@@ -42,7 +42,8 @@ def shared_rope_grid(mla: MLAConfig, source_rope: dict, max_positions: int) -> t
     """
     freqs = torch.tensor(mla.rope_inv_freq, dtype=torch.float64)  # [L, d_r/2]
     d_r = mla.qk_rope_head_dim
-    hint = "convert with --shared-rope (TransMLA) or --format deepseek, which keep one grid in every layer"
+    hint = ("convert with TransMLA's default --shared-rope (not --per-layer-rope) or with --format deepseek, which "
+            "keep one grid in every layer")
     if d_r == 0:
         raise ExportError("the model has no rope key (qk_rope_head_dim 0); DeepSeek needs at least one rope pair")
     if not torch.allclose(freqs, freqs[:1].expand_as(freqs), rtol=1e-6, atol=0):

@@ -266,9 +266,16 @@ class TransMLAOptions:
         "'logit' (per layer, least expected logit error)."
     )
     q_lora_rank: int | None = option(None, "transmla: low-rank query of this rank (PCA).")
+    # The default is the exportable shape (issue 35): on wiki-test 32 it costs 2.9% / 3.4% / 13% in
+    # perplexity at 50% / 25% / 12.5% of the cache against per-layer rope (benchmarks/results/
+    # output_fit.md, "cli" rows), but every engine export refuses per-layer frequencies, and on dev
+    # passkeys the exportable 50% retrieves better (benchmarks/results/retrieval_ladder.md).
     shared_rope: bool = option(
-        False, "transmla: one rope frequency grid in every layer (one component per FreqFold group, F = "
-        "head_dim / rope-dim), the shape DeepSeek engines and llama.cpp run; see `transmla export`."
+        True, "transmla: --shared-rope (default): one rope frequency grid in every layer (one component per "
+        "FreqFold group, F = head_dim / rope-dim), the shape `transmla export` writes for DeepSeek engines and "
+        "llama.cpp; --per-layer-rope: each layer keeps its own best rope frequencies (a little lower perplexity, "
+        "our own format only: export refuses it).",
+        flag="--shared-rope/--per-layer-rope",
     )
 
     def __post_init__(self) -> None:
@@ -331,7 +338,10 @@ class TransMLA(ConversionMethod):
         return plan_from_options(options, geometry)
 
     def shared_rope(self, geometry: AttentionGeometry, options: TransMLAOptions) -> TransMLAOptions:
-        return replace(options, shared_rope=True)
+        if not options.shared_rope:
+            raise ValueError("format deepseek needs one rope grid shared by all layers; this conversion asks for "
+                             "per-layer rope frequencies")
+        return options
 
     def needs(self, plan: TransMLAPlan) -> StatsNeeds:
         return StatsNeeds(gram=True)
