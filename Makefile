@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The main job, offline: convert the built-in SmolLM2-135M losslessly (the exact starting point:
-# its perplexity equals the source's) and with TransMLA at a quarter of the cache, then evaluate
-# each against the source on the built-in wiki text, and generate through the latent cache.
+# its perplexity equals the source's) and with TransMLA at a quarter of the cache (the default,
+# exportable shape: one rope grid in every layer), then evaluate each against the source on the
+# built-in wiki text, generate through the latent cache, and export the 25% conversion to a GGUF
+# file for llama.cpp (seconds).
 demo: setup
 	$(TRANSMLA) inspect smollm2-135m
 	$(TRANSMLA) convert smollm2-135m out/smollm2-lossless --method lossless --force
@@ -29,6 +31,7 @@ demo: setup
 	$(TRANSMLA) eval out/smollm2-transmla-25 --compare smollm2-135m --data wiki --max-windows $(WINDOWS)
 	$(TRANSMLA) generate out/smollm2-lossless "The capital of France is" --max-new-tokens 12
 	$(TRANSMLA) generate out/smollm2-transmla-25 "The capital of France is" --max-new-tokens 12
+	$(TRANSMLA) export out/smollm2-transmla-25 out/smollm2-transmla-25.gguf --format gguf --force
 
 # llama.cpp (the version vendored by the llama-cpp-python 0.3.36 sdist) for the GGUF tests and
 # benchmarks: built once into ~/.cache/transmla (or $$LLAMA_CPP_DIR), reused afterwards.

@@ -3,8 +3,9 @@
     .venv/bin/python -m benchmarks.calib_mix                 # every mix not yet in the JSON, then the report
     .venv/bin/python -m benchmarks.calib_mix --report        # only rewrite the table
 
-The built-in SmolLM2-135M converted with TransMLA at 25% of the cache and the CLI defaults, once per
-calibration mix (`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.25 --calib MIX`),
+The built-in SmolLM2-135M converted with TransMLA at 25% of the cache and the CLI defaults in the native
+shape, once per calibration mix (`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.25
+--per-layer-rope --calib MIX`),
 each evaluated with `transmla eval OUT --data PATH --max-windows 16 --json` (512-token windows) on two
 held-out domains that no mix calibrates on, written once into $TRANSMLA_CACHE/bench-calib-mix:
 - code: Python source of this interpreter's standard library (the modules whose names start with
@@ -180,7 +181,7 @@ def run(mix: str | None, texts: dict[str, Path], fit_steps: int = 0, rope_dim: i
     model = SOURCE
     if mix is not None:
         index = list(dict.fromkeys(MIXES + FIT_MIXES + FIT200_MIXES + LEE_MIXES)).index(mix)
-        shape = ["--kv-budget", "0.25"]
+        shape = ["--kv-budget", "0.25", "--per-layer-rope"]  # the native shape of the 25% rows
         if rope_dim is None:
             model = str(WORK / f"transmla-25-mix{index}-fit{fit_steps}")
         else:

@@ -6,7 +6,8 @@
 
 Each setting is one `transmla bench generate` run (the library call behind it): the TransMLA
 conversion of smollm2-135m at 25% (or 12.5%) of the source cache, converted once with the CLI
-defaults (`transmla convert smollm2-135m OUT --method transmla --kv-budget B`, kept under
+defaults in the native shape (`transmla convert smollm2-135m OUT --method transmla --kv-budget B
+--per-layer-rope`, kept under
 $TRANSMLA_CACHE/bench-generate), against the source with both stock transformers caches
 (dynamic and static; the faster one is compared), greedy decode of NEW_TOKENS tokens after the
 context, REPEATS repetitions (min reported, median kept in the JSON). The 2K and 4K settings fill
@@ -114,14 +115,15 @@ SETTINGS = PACKED_SETTINGS + [_setting(s["budget"], s["dtype"], s["batch"], s["c
 
 
 def converted_model(budget: str, fitted: bool = True) -> Path:
-    """The CLI-default TransMLA conversion at this budget (converted once, then reused); with
-    ``fitted`` False, the same with --fit-steps 0: the same shapes, so the same speed, in a few
+    """The CLI-default TransMLA conversion at this budget in the native shape (--per-layer-rope),
+    converted once, then reused; with ``fitted`` False, the same with --fit-steps 0: the same shapes, so the same speed, in a few
     minutes instead of the default fit's (about 25 minutes on a CPU without bf16 matrix units)."""
     out = MODELS / (f"transmla-{budget}" + ("" if fitted else "-fit0"))
     if not (out / "config.json").exists():
         cli = Path(sys.executable).with_name("transmla")
         subprocess.run([str(cli), "convert", SOURCE, str(out), "--method", "transmla",
-                        "--kv-budget", str(BUDGETS[budget]), *([] if fitted else ["--fit-steps", "0"])], check=True)
+                        "--kv-budget", str(BUDGETS[budget]), "--per-layer-rope",
+                        *([] if fitted else ["--fit-steps", "0"])], check=True)
     return out
 
 

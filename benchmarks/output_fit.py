@@ -7,7 +7,8 @@ chosen default on the test windows and on two held-out domains.
     .venv/bin/python -m benchmarks.output_fit --report    # only rewrite the table
 
 Shapes: "export" = the exportable ones (`--shared-rope`: one rope grid and one rank in every layer, what
-`--format deepseek` and llama.cpp take) and "native" = today's unconstrained defaults, at 50/25/12.5% of
+`--format deepseek` and llama.cpp take; the CLI default since issue 35) and "native" = the unconstrained
+shapes (`--per-layer-rope`, each layer its own rope frequencies), at 50/25/12.5% of
 the source cache. Settings, each on top of the previous (the ablation):
 - method: TransMLA with the CLI defaults (2048 x 16 calibration, original propagation), no fit;
 - o_proj: + o_proj fitted in closed form to the source attention's output (output_fit.refit_o_proj);
@@ -131,7 +132,7 @@ def cli_model(shape: str, budget: str):
 
     out = CACHE / f"output-fit-cli-{shape}-{budget.rstrip('%')}"
     cmd = [str(TRANSMLA), "convert", MODEL, str(out), "--method", "transmla", "--kv-budget", KV_BUDGET[budget], "--force"]
-    cmd += ["--shared-rope"] if shape == "export" else []
+    cmd += ["--shared-rope"] if shape == "export" else ["--per-layer-rope"]
     cost = timed(cmd, out.with_name(out.name + ".log"))
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     return model, cost
@@ -271,7 +272,7 @@ def layer_cost(steps: int = DEFAULT_FIT_STEPS, bf16: bool = False) -> dict:
         out = {"threads": torch.get_num_threads(), "steps": steps, "bf16": bf16}
         for name, fit in (("convert_seconds", FitSettings(steps=0)),
                           ("convert_and_fit_seconds", FitSettings(steps=steps, bf16=bf16))):
-            options = ConvertOptions.of(method="transmla", device="cpu", kv_budget=0.25)
+            options = ConvertOptions.of(method="transmla", device="cpu", kv_budget=0.25, shared_rope=False)
             start = time.perf_counter()
             list(LayerStream(get_method("transmla"), Path(tmp), config, options, progress=False, calib_ids=calib,
                              fit_ids=fit_ids, fit=fit))

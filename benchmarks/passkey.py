@@ -4,9 +4,9 @@ Each model runs `transmla eval MODEL --task passkey --lengths N --depths 10,50,9
 as a user runs it (one process per model and length, so a later run can add a length): a random 5-digit
 key stated once inside the built-in wiki/lee evaluation prose, at 10/50/90% of prompts of N tokens,
 asked for at the end, found when the greedy answer through the model's own cache (the latent cache and
-the CPU kernels for the conversions) holds it. The conversions are the CLI defaults,
-`transmla convert smollm2-135m OUT --method transmla --kv-budget 0.5` (and 0.25; and 0.5 in the
-exportable shape, `--shared-rope`), kept under
+the CPU kernels for the conversions) holds it. The conversions are the CLI defaults in the native
+shape, `transmla convert smollm2-135m OUT --method transmla --kv-budget 0.5 --per-layer-rope` (and 0.25;
+and 0.5 in the exportable shape, `--shared-rope`, the CLI's default since issue 35), kept under
 out/passkey/ and reused when present (timed with /usr/bin/time when this script makes them; one at a
 time, never in parallel).
 
@@ -41,7 +41,7 @@ KEYS = 3
 SEED = 0
 DEFAULT_LENGTHS = "1K,2K,4K"
 CONTEXT = 8192  # SmolLM2's max_position_embeddings
-MODELS = {  # role -> (kv budget, exportable shape: --shared-rope); None: the source
+MODELS = {  # role -> (kv budget, exportable shape: --shared-rope, else --per-layer-rope); None: the source
     "source": None,
     "transmla 50%": (0.5, False),
     "transmla 50% exportable": (0.5, True),
@@ -56,7 +56,7 @@ def cpu_name() -> str:
 
 def convert_command(budget: float, shared: bool, out: Path) -> list[str]:
     return [str(TRANSMLA), "convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget),
-            *(["--shared-rope"] if shared else [])]
+            "--shared-rope" if shared else "--per-layer-rope"]
 
 
 def _convert_key(budget: float, shared: bool) -> str:

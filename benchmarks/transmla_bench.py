@@ -202,8 +202,8 @@ def phase_time(b: Bench) -> None:
     def run() -> dict:
         out = CACHE / "cli-out"
         cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "transmla.cli.app", "convert", MODEL, str(out),
-               "--method", "transmla", "--kv-budget", "0.25", "--calib", "wiki",
-               "--device", "cpu", "--force"]  # every other setting: the CLI defaults
+               "--method", "transmla", "--kv-budget", "0.25", "--per-layer-rope", "--calib", "wiki",
+               "--device", "cpu", "--force"]  # every other setting: the CLI defaults (native shape: per-layer rope)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -356,9 +357,16 @@ def test_plan_from_options(tiny_factory):
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
     geo = attention_geometry(config)
-    opts = TransMLAOptions
+    # The default is the exportable shape: one rope grid (one component per FreqFold group, F = d/r)
+    default = plan_from_options(TransMLAOptions(kv_budget=0.5), geo)
+    assert TransMLAOptions().shared_rope and (default.selection, default.freqfold) == ("grid", 2)
+    with pytest.raises(ValueError, match="shared rope grid.*fixes freqfold.*--per-layer-rope"):
+        plan_from_options(TransMLAOptions(kv_lora_rank=8, rope_dim=4, freqfold="1"), geo)
+    # per-layer rope (--per-layer-rope) leaves every rope choice to the layer
+    opts = partial(TransMLAOptions, shared_rope=False)
     plan = plan_from_options(opts(kv_budget=0.5), geo)
     assert (plan.kv_lora_rank, plan.rope_dim) == (12, 4)  # r: whole pairs within a third of 16
+    assert plan.selection == "score"
     with pytest.raises(ValueError, match="either kv_budget"):
         plan_from_options(opts(kv_budget=0.5, kv_lora_rank=4), geo)
     with pytest.raises(ValueError, match="needs kv_lora_rank"):

@@ -101,10 +101,12 @@ def shared_rope_plan(plan: TransMLAPlan, head_dim: int) -> TransMLAPlan:
     """
     pairs = plan.rope_dim // 2
     if pairs == 0 or (head_dim // 2) % pairs:
-        raise ValueError(f"shared_rope needs rope dims r with (head_dim/2) / (r/2) whole; got r = {plan.rope_dim}, head_dim {head_dim}")
+        raise ValueError(f"the shared rope grid (the default) needs rope dims r with (head_dim/2) / (r/2) whole; got r = "
+                         f"{plan.rope_dim}, head_dim {head_dim}: choose such an r, or convert with --per-layer-rope")
     fold = head_dim // plan.rope_dim
     if plan.freqfold not in ("auto", fold):
-        raise ValueError(f"shared_rope fixes freqfold to head_dim / rope_dim = {fold}; got freqfold {plan.freqfold}")
+        raise ValueError(f"the shared rope grid (the default) fixes freqfold to head_dim / rope_dim = {fold}; got freqfold "
+                         f"{plan.freqfold}: leave freqfold out, or convert with --per-layer-rope")
     return replace(plan, selection="grid", freqfold=fold, frequencies="published")
 
 
