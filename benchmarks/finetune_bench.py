@@ -1,7 +1,8 @@
 """Does a brief fine-tune recover the quality a 25%-cache conversion loses?
 
 The built-in SmolLM2-135M-Instruct, converted by TransMLA at a quarter of its KV cache (96 of
-384 elements per token per layer, default options), fine-tuned by a recipe on the built-in wiki
+384 elements per token per layer, default options but per-layer rope, the native shape of its
+results), fine-tuned by a recipe on the built-in wiki
 CALIBRATION text, evaluated on the wiki EVALUATION text (ANCHORS.md protocol: non-overlapping
 512-token windows, the first 32 = 16,352 scored tokens; calibration and evaluation never overlap).
 

@@ -63,7 +63,7 @@ def test_lossless_stage_probe_equals_the_source(tmp_path):
     hook = stage_report(str(filler), progress=False, passkey=_settings(filler), passkey_lengths=[64], probes=probes)
     # TransMLA at full rank (rope 16 + latent 32 = the source's 2 x 2 x 8 key and value dims) is exact.
     config = AutoConfig.from_pretrained(src)
-    opts = ConvertOptions.of(method="transmla", kv_lora_rank=16, rope_dim=16, fit_steps=0, freqfold=1)
+    opts = ConvertOptions.of(method="transmla", kv_lora_rank=16, rope_dim=16, fit_steps=0, freqfold=1, shared_rope=False)
     calib = torch.randint(0, len(VOCAB), (4, 32), generator=torch.Generator().manual_seed(1))
     stream = LayerStream(get_method("transmla"), src, config, opts, progress=False, calib_ids=calib, keep_stages=True)
     for _ in stream:

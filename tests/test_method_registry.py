@@ -39,7 +39,7 @@ class Published(ConversionMethod):
     Options = PublishedOptions
 
     def plan(self, geometry, options):
-        R, r = resolve_shape(TransMLAOptions(kv_budget=options.kv_budget), geometry)
+        R, r = resolve_shape(TransMLAOptions(kv_budget=options.kv_budget, shared_rope=False), geometry)
         return published_plan(R, r, options.fold)
 
     def needs(self, plan):
