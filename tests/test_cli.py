@@ -137,6 +137,11 @@ def test_bad_options(tiny_factory, tmp_path, run):
                           "give either --kv-budget or --kv-lora-rank/--rope-dim, not both")
     assert_one_line_error(run(*convert, "mha2mla", "-R", 8, "--svd", "tucker"), "--svd must be one of")
     assert_one_line_error(run(*convert, "transmla", "--kv-budget", 0.5, "--propagate", "x"), "--propagate must be one of")
+    # the rope shape is TransMLA's setting: the other methods refuse it as they refuse its other flags
+    assert_one_line_error(run(*convert, "lossless", "--per-layer-rope"), "--shared-rope/--per-layer-rope does not apply to method lossless")
+    assert_one_line_error(run(*convert, "mha2mla", "--shared-rope"), "--shared-rope/--per-layer-rope does not apply to method mha2mla")
+    assert_one_line_error(run(*convert, "transmla", "--kv-budget", 0.25, "--per-layer-rope", "--format", "deepseek"),
+                          "format deepseek needs one rope grid shared by all layers")
     assert_one_line_error(run("eval", path, "--measure-cache", -1), "--measure-cache must be 0 or more")
 
 

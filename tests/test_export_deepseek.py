@@ -282,6 +282,21 @@ def test_mixtral_export_routes_like_mixtral_in_vllm_terms(exported):
     assert "silu_and_mul divides by its width" in results["mixtral-transmla-vllm"].engines["sglang"]
 
 
+def test_transmla_exports_by_default_and_per_layer_rope_is_the_opt_in(native, tiny_factory, tmp_path):
+    """The default conversion has one rope grid in every layer (it exports); shared_rope=False (the CLI's
+    --per-layer-rope) lets each layer choose, and --format deepseek refuses it before converting."""
+    folder = native(method="transmla", kv_budget=0.25)
+    assert json.loads((folder / "config.json").read_text())["mla"]["method"]["plan"]["selection"] == "grid"
+    export_deepseek(folder, tmp_path / "ds", ExportOptions(), progress=False)
+    per_layer = native("mistral", method="transmla", kv_budget=0.25, shared_rope=False)
+    assert json.loads((per_layer / "config.json").read_text())["mla"]["method"]["plan"]["selection"] == "score"
+    _, src = tiny_factory("llama")
+    options = ConvertOptions.of(method="transmla", kv_budget=0.25, shared_rope=False, format="deepseek")
+    with pytest.raises(ValueError, match="needs one rope grid shared by all layers"):
+        convert(str(src), tmp_path / "refused", options, progress=False)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_shared_rope_is_refused_where_a_method_cannot_share_one_grid(tiny_factory, tmp_path):
     _, src = tiny_factory("llama")
     with pytest.raises(ValueError, match="lossless keeps the rope pairs of all 2 KV heads"):
