@@ -1,8 +1,8 @@
 """Where a conversion's time goes (issue 36): `transmla convert` run in this process with every stage
 timed, on the built-in SmolLM2-135M, and the output fit's cost per layer under its settings.
 
-    .venv/bin/python -m benchmarks.fit_cost                 # the 25% conversion, native shape (--per-layer-rope), then the report
-    .venv/bin/python -m benchmarks.fit_cost --budget 0.5 --shared-rope   # the exportable shape (the CLI default)
+    .venv/bin/python -m benchmarks.fit_cost                 # the default 25% conversion (exportable shape), then the report
+    .venv/bin/python -m benchmarks.fit_cost --budget 0.5 --per-layer-rope   # the native shape
     .venv/bin/python -m benchmarks.fit_cost --variants      # also the fit of layers 2 and 12 under each setting
     .venv/bin/python -m benchmarks.fit_cost --report        # only rewrite the table
 
@@ -110,11 +110,11 @@ class StageClock:
                 setattr(owner, name, fn)
 
 
-def run(budget: float, shared_rope: bool, variants: bool, out: Path) -> dict:
+def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
     from transmla.cli.app import main as cli_main
 
     argv = ["convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget), "--force"]
-    argv += ["--shared-rope"] if shared_rope else ["--per-layer-rope"]
+    argv += ["--per-layer-rope"] if per_layer_rope else []
     clock = StageClock()
     load = os.getloadavg()[0]
     with clock.installed(variants):
@@ -162,14 +162,14 @@ def report(rows: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--shared-rope", action="store_true", help="the exportable shape (default here: --per-layer-rope)")
+    parser.add_argument("--per-layer-rope", action="store_true", help="the native shape (default: the CLI's exportable one)")
     parser.add_argument("--variants", action="store_true", help="also fit layers 2 and 12 under each FIT_VARIANTS setting")
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     parser.add_argument("--out", type=Path, default=Path(".cache/fit-cost"))
     args = parser.parse_args(argv)
     rows = load_json(OUT_JSON) if OUT_JSON.exists() else {}
     if not args.report:
-        row = run(args.budget, args.shared_rope, args.variants, args.out)
+        row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
         rows[key] = row
         save_json(OUT_JSON, rows)

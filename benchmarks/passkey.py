@@ -46,6 +46,7 @@ MODELS = {  # role -> (kv budget, exportable shape: --shared-rope, else --per-la
     "transmla 50%": (0.5, False),
     "transmla 50% exportable": (0.5, True),
     "transmla 25%": (0.25, False),
+    "transmla 25% exportable": (0.25, True),  # the CLI's default 25% since issue 35
 }
 
 
