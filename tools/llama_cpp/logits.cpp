@@ -6,6 +6,11 @@
 //
 // prefill: one batch with all tokens; decode: one llama_decode call per token (the cached path).
 // llama.cpp's own log (model hparams, KV cache size) goes to stderr.
+//
+// Built against ik_llama.cpp (tools/ik_llama_cpp/build.sh, -DIK_LLAMA_CPP) the same tool takes its
+// MLA mode and flash attention after N_CTX (its llama.h names a few calls and fields differently):
+//
+//   transmla-logits MODEL.gguf OUT.bin prefill|decode N_CTX MLA FA TOKEN [TOKEN ...]
 #include "llama.h"
 
 #include <cstdio>
@@ -13,14 +18,23 @@
 #include <cstring>
 #include <vector>
 
+#ifdef IK_LLAMA_CPP
+#define MODE_ARGS " MLA FA"
+static const int first_token = 7;
+#define llama_model_free llama_free_model
+#else
+#define MODE_ARGS ""
+static const int first_token = 5;
+#endif
+
 int main(int argc, char ** argv) {
-    if (argc < 6 || (strcmp(argv[3], "prefill") != 0 && strcmp(argv[3], "decode") != 0)) {
-        fprintf(stderr, "usage: %s MODEL.gguf OUT.bin prefill|decode N_CTX TOKEN [TOKEN ...]\n", argv[0]);
+    if (argc < first_token + 1 || (strcmp(argv[3], "prefill") != 0 && strcmp(argv[3], "decode") != 0)) {
+        fprintf(stderr, "usage: %s MODEL.gguf OUT.bin prefill|decode N_CTX" MODE_ARGS " TOKEN [TOKEN ...]\n", argv[0]);
         return 2;
     }
     const bool prefill = strcmp(argv[3], "prefill") == 0;
     std::vector<llama_token> tokens;
-    for (int i = 5; i < argc; i++) tokens.push_back((llama_token) atoi(argv[i]));
+    for (int i = first_token; i < argc; i++) tokens.push_back((llama_token) atoi(argv[i]));
     const int n = (int) tokens.size();
 
     llama_backend_init();
@@ -36,7 +50,12 @@ int main(int argc, char ** argv) {
     cparams.n_threads_batch = 1;
     cparams.type_k = GGML_TYPE_F32;
     cparams.type_v = GGML_TYPE_F32;
+#ifdef IK_LLAMA_CPP
+    cparams.mla_attn = atoi(argv[5]);
+    cparams.flash_attn = atoi(argv[6]) != 0;
+#else
     cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+#endif
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (ctx == nullptr) { fprintf(stderr, "failed to create a context\n"); return 1; }
 

@@ -1,5 +1,6 @@
 """Running the llama.cpp that `make llama-cpp` builds (tools/llama_cpp/build.sh): logits, the KV
-cache it reports, tokenization, perplexity and llama-bench, each through its own binary."""
+cache it reports, tokenization, perplexity and llama-bench, each through its own binary. The same
+for ik_llama.cpp (`make ik-llama-cpp`, tools/ik_llama_cpp/build.sh): pass build=IK."""
 
 from __future__ import annotations
 
@@ -13,24 +14,35 @@ from pathlib import Path
 
 import numpy as np
 
-LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build
-BUILD_HINT = "build it with `make llama-cpp`"
+@dataclass(frozen=True)
+class LlamaBuild:
+    """One llama.cpp build: its name, the sdist version it is built from, the variable that moves it
+    and the make target that builds it."""
+
+    name: str
+    version: str
+    env: str
+    make_target: str
+
+
+MAINLINE = LlamaBuild("llama.cpp", "0.3.36", "LLAMA_CPP_DIR", "llama-cpp")  # llama-cpp-python's vendored llama.cpp
+IK = LlamaBuild("ik_llama.cpp", "0.1.5", "IK_LLAMA_CPP_DIR", "ik-llama-cpp")  # ik-llama-cpp-python's
 
 
 class LlamaCppMissing(RuntimeError):
     """The llama.cpp build is not there."""
 
 
-def llama_cpp_dir() -> Path:
-    """$LLAMA_CPP_DIR, else ~/.cache/transmla/llama.cpp-<version> (outside every work tree)."""
-    default = Path.home() / ".cache" / "transmla" / f"llama.cpp-{LLAMA_CPP_VERSION}"
-    return Path(os.environ.get("LLAMA_CPP_DIR", default))
+def llama_cpp_dir(build: LlamaBuild = MAINLINE) -> Path:
+    """$LLAMA_CPP_DIR (IK: $IK_LLAMA_CPP_DIR), else ~/.cache/transmla/<name>-<version> (outside every work tree)."""
+    default = Path.home() / ".cache" / "transmla" / f"{build.name}-{build.version}"
+    return Path(os.environ.get(build.env, default))
 
 
-def llama_cpp_tool(name: str) -> Path:
-    path = llama_cpp_dir() / "build" / "bin" / name
+def llama_cpp_tool(name: str, build: LlamaBuild = MAINLINE) -> Path:
+    path = llama_cpp_dir(build) / "build" / "bin" / name
     if not path.is_file():
-        raise LlamaCppMissing(f"{name} not found in {path.parent}; {BUILD_HINT}")
+        raise LlamaCppMissing(f"{name} not found in {path.parent}; build it with `make {build.make_target}`")
     return path
 
 
@@ -69,15 +81,42 @@ def kv_cache_report(log: str) -> KVCacheReport:
     return KVCacheReport(float(mib), int(cells), int(layers), k_type, float(k_mib), v_type, float(v_mib))
 
 
-def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256) -> tuple[np.ndarray, str]:
+def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256,
+                 build: LlamaBuild = MAINLINE, mla: int = 3, flash_attn: bool = True) -> tuple[np.ndarray, str]:
     """Logits [len(tokens), vocab] from llama.cpp (f32 KV cache, one thread) and its log.
 
-    prefill: one batch; decode: one token per llama_decode call (the cached path)."""
+    prefill: one batch; decode: one token per llama_decode call (the cached path). mla and
+    flash_attn: ik_llama.cpp's MLA mode and flash attention (build=IK only; mainline: no flash attention)."""
+    modes = [mla, int(flash_attn)] if build == IK else []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.bin"
-        proc = _run([llama_cpp_tool("transmla-logits"), gguf_path, out, mode, n_ctx, *tokens])
+        proc = _run([llama_cpp_tool("transmla-logits", build), gguf_path, out, mode, n_ctx, *modes, *tokens])
         logits = np.fromfile(out, dtype=np.float32)
-    return logits.reshape(len(tokens), -1), proc.stderr
+    return logits.reshape(len(tokens), -1), proc.stdout + proc.stderr
+
+
+@dataclass
+class IKKVCacheReport:
+    """ik_llama.cpp's MLA line: `KV self size = ... MiB, c^KV (t): ... MiB, kv^T (t): ... MiB` (kv^T: the
+    transposed latent that -mla 1 without flash attention keeps, else `not used`), and its n_ctx."""
+
+    mib: float
+    cells: int
+    type: str
+    c_mib: float  # [k_rope; c] per token per layer
+    kv_t_mib: float  # 0 when not used
+
+
+_IK_KV_LINE = re.compile(r"KV self size += +([\d.]+) MiB, c\^KV \((\w+)\): +([\d.]+) MiB, kv\^T(?: \((\w+)\): +([\d.]+) MiB|: not used)")
+_IK_N_CTX = re.compile(r"llama_new_context_with_model: n_ctx += (\d+)")
+
+
+def ik_kv_cache_report(log: str) -> IKKVCacheReport:
+    match, n_ctx = _IK_KV_LINE.search(log), _IK_N_CTX.search(log)
+    if match is None or n_ctx is None:
+        raise ValueError("no MLA `KV self size` line or n_ctx in ik_llama.cpp's log")
+    mib, kv_type, c_mib, _, kv_t_mib = match.groups()
+    return IKKVCacheReport(float(mib), int(n_ctx.group(1)), kv_type, float(c_mib), float(kv_t_mib or 0))
 
 
 def llama_tokenize(gguf_path: str | Path, text: str) -> list[int]:

@@ -1,0 +1,147 @@
+"""`--format gguf-ik` checked in a real ik_llama.cpp (built by `make ik-llama-cpp`): tiny conversions
+written with ik's deepseek2 conventions (export/gguf.py, IK) give our native model's logits there, in
+prefill (short, and 128+ tokens, where ik decompresses the cache) and token-by-token decode, in its
+MLA modes -mla 3 -fa 1 (flash MLA) and -mla 1 -fa 0 (the GEMM path), with a cache of d_c + d_r values
+per token per layer. The shapes: rope 64 with latent 128, 256 and 512 (the widths ik's CPU flash
+attention has kernels for: 192/128, 320/256, 576/512) and rope 32 with latent 64 (96/64: no kernel)."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_export_gguf import TOKENS, converted, relative_error, tiny_deepseek
+
+from transmla.bench.llama_cpp import IK, ik_kv_cache_report, llama_logits
+from transmla.export.errors import ExportError
+from transmla.export.gguf import IK as IK_GGUF
+from transmla.export.gguf import export_gguf, write_gguf
+
+MODES = {"flash-mla": (3, True), "gemm": (1, False)}  # name -> (-mla, -fa)
+LONG = [(7 * i * i + 3 * i + 1) % 300 for i in range(144)]  # >= 128 tokens: ik's prompt path (pp_opt)
+HEAD64 = dict(hidden_size=128, num_attention_heads=8, head_dim=64)
+# name -> (family, source overrides, conversion options); no output fit (the shapes are what matter)
+CASES = {
+    "r64-c128": ("llama", {**HEAD64, "num_key_value_heads": 4}, dict(kv_lora_rank=128, rope_dim=64)),
+    "r64-c256": ("llama", {**HEAD64, "num_key_value_heads": 4}, dict(kv_lora_rank=256, rope_dim=64)),
+    "r64-c512": ("llama", {**HEAD64, "num_key_value_heads": 8}, dict(kv_lora_rank=512, rope_dim=64)),
+    "r32-c64": ("llama", {**HEAD64, "num_key_value_heads": 4}, dict(kv_lora_rank=64, rope_dim=32)),
+    "r64-c128-qlora-tied": ("mistral", {**HEAD64, "num_key_value_heads": 4, "tie_word_embeddings": True},
+                            dict(kv_lora_rank=128, rope_dim=64, q_lora_rank=96)),
+}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """case -> (GGUF export result, our native model's logits on TOKENS and on LONG), converted once."""
+    done = {}
+
+    def get(case):
+        if case not in done:
+            tmp = tmp_path_factory.mktemp(case)
+            family, overrides, options = CASES[case]
+            native = converted(tmp, family, overrides, dict(method="transmla", shared_rope=True, fit_steps=0, **options))
+            result = export_gguf(native, tmp / "ik.gguf", progress=False, engine=IK_GGUF)
+            model = transformers.AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).eval()
+            with torch.no_grad():
+                refs = [model(torch.tensor([ids])).logits[0] for ids in (TOKENS, LONG)]  # [T, V]
+            done[case] = (result, model.config.mla, refs)
+        return done[case]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_ik_llama_cpp_runs_our_conversions_exactly(exported, case, mode):
+    result, mla, (ref, ref_long) = exported(case)
+    assert (mla["kv_lora_rank"], mla["qk_rope_head_dim"]) == (CASES[case][2]["kv_lora_rank"], CASES[case][2]["rope_dim"])
+    mla_mode, flash = MODES[mode]
+    for run in ("prefill", "decode"):
+        logits, log = llama_logits(result.path, TOKENS, run, n_ctx=512, build=IK, mla=mla_mode, flash_attn=flash)
+        assert f"mla_attn      = {mla_mode}" in log
+        assert relative_error(logits, ref) <= 1e-4, run
+    logits, log = llama_logits(result.path, LONG, "prefill", n_ctx=512, build=IK, mla=mla_mode, flash_attn=flash)
+    assert relative_error(logits, ref_long) <= 1e-4, "prefill of 144 tokens"
+    kv = ik_kv_cache_report(log)
+    layers = len(mla["rope_inv_freq"])
+    per_token = kv.cells * layers * 4 / 2**20  # f32 values
+    assert result.cache_elements == mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+    assert kv.type == "f32" and kv.c_mib == pytest.approx(per_token * result.cache_elements, abs=0.005)
+    # -mla 1 without flash attention also keeps the latent transposed (kv^T, d_c more per token)
+    assert kv.kv_t_mib == pytest.approx(0 if flash else per_token * mla["kv_lora_rank"], abs=0.005)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"rope_interleave": False}, {"q_lora_rank": 24}, {"num_hidden_layers": 26, "first_k_dense_replace": 26}],
+    ids=["interleaved-rope", "rotate-half-rope", "q-lora", "lite-26-layers"],
+)
+def test_ik_llama_cpp_logits_equal_transformers(tmp_path, overrides):
+    """A stock tiny DeepseekV3 written for ik: a plain query through the full-rank q_a path (or attn_q
+    for the 26/27 layers ik loads as DeepSeek-V2-Lite)."""
+    model = tiny_deepseek(tmp_path / "ds", **overrides)
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "ds" / "model.safetensors")
+    result = write_gguf(config, iter(tensors.items()), tmp_path / "ds", tmp_path / "ds.gguf", engine=IK_GGUF)
+    names = {t.name for t in gguf.GGUFReader(result.path).tensors}
+    assert ("blk.0.attn_q.weight" in names) == ("num_hidden_layers" in overrides)
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    with torch.no_grad():
+        ref = model(torch.tensor([TOKENS])).logits[0]
+    for mode, (mla_mode, flash) in MODES.items():
+        logits, _ = llama_logits(result.path, TOKENS, "decode", build=IK, mla=mla_mode, flash_attn=flash)
+        assert relative_error(logits, ref) <= 1e-4, mode
+
+
+def test_ik_header_follows_its_loader(tmp_path):
+    tiny_deepseek(tmp_path / "ds")
+    from safetensors.torch import load_file
+
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    tensors = load_file(tmp_path / "ds" / "model.safetensors")
+    result = write_gguf(config, iter(tensors.items()), tmp_path / "ds", tmp_path / "ds.gguf", "q8_0", engine=IK_GGUF)
+    reader = gguf.GGUFReader(result.path)
+    value = lambda key: reader.fields[f"deepseek2.{key}"].parts[-1][0]  # noqa: E731
+    assert value("attention.head_count_kv") == value("attention.head_count") == 4
+    assert (value("attention.key_length"), value("attention.value_length"), value("rope.dimension_count")) == (24, 16, 8)
+    assert value("attention.q_lora_rank") == 64  # the hidden size: q_a = s I
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_q_a.weight"] == gguf.GGMLQuantizationType.BF16  # tiny-scaled: never Q8_0
+    assert types["blk.0.attn_q_b.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert result.cache_elements == 32 + 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [({"num_hidden_layers": 26, "q_lora_rank": 24}, "DeepSeek-V2-Lite"),
+     ({"num_hidden_layers": 48, "vocab_size": 128256}, "no query layout"),
+     ({"attention_bias": True}, "biases"), ({"qk_nope_head_dim": 0, "qk_rope_head_dim": 24}, "qk_nope_head_dim 0")],
+    ids=["lite-with-q-lora", "48-layers-128256-vocab", "bias", "all-rope"],
+)
+def test_shapes_ik_cannot_load_are_refused(tmp_path, overrides, reason):
+    config = transformers.DeepseekV3Config(**{**dict(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                                                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                                     q_lora_rank=None, first_k_dense_replace=2),
+                                                  **overrides, "first_k_dense_replace": overrides.get("num_hidden_layers", 2)})
+    with pytest.raises(ExportError, match=reason):
+        write_gguf(config.to_dict(), iter(()), tmp_path, tmp_path / "x.gguf", engine=IK_GGUF)
+    assert list(tmp_path.glob("x.gguf*")) == []
+
+
+def test_cli_export_gguf_ik(cli, tmp_path):
+    native = converted(tmp_path, "llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True, fit_steps=0))
+    out_path = tmp_path / "m.gguf"
+    code, out, err = cli("export", native, out_path, "--format", "gguf-ik", "--type", "q8_0", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["format"] == "gguf-ik (ik_llama.cpp deepseek2)" and info["type"] == "q8_0"
+    logits, _ = llama_logits(out_path, TOKENS, "decode", build=IK, mla=3, flash_attn=True)
+    assert np.isfinite(logits).all()
