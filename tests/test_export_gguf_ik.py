@@ -145,3 +145,33 @@ def test_cli_export_gguf_ik(cli, tmp_path):
     assert info["format"] == "gguf-ik (ik_llama.cpp deepseek2)" and info["type"] == "q8_0"
     logits, _ = llama_logits(out_path, TOKENS, "decode", build=IK, mla=3, flash_attn=True)
     assert np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    ("shape", "ik_decode", "vllm"),
+    [((128, 64, 64, 64), True, False), ((256, 64, 128, 128), True, True), ((512, 64, 128, 128), True, True),
+     ((64, 32, 32, 64), False, False), ((160, 32, 64, 64), False, False)],
+)
+def test_fast_kernel_report_names_the_engine_shapes(shape, ik_decode, vllm):
+    from transmla.export.engines import fast_kernel_report
+
+    report = fast_kernel_report(*shape)
+    assert report["ik_llama.cpp flash MLA"][0] is ik_decode
+    assert f"{shape[0] + shape[1]}/{shape[0]}" in report["ik_llama.cpp flash MLA"][1]
+    assert report["vLLM MLA"][0] is vllm
+    assert report["llama.cpp"][0] is False and "per head" in report["llama.cpp"][1]
+
+
+@pytest.mark.parametrize("shared_rope", [True, False])
+def test_inspect_tells_which_engine_runs_a_conversion_fast(cli, tmp_path, shared_rope):
+    native = converted(tmp_path, "llama", HEAD64 | {"num_key_value_heads": 4},
+                       dict(method="transmla", kv_lora_rank=128, rope_dim=64, shared_rope=shared_rope, fit_steps=0))
+    code, out, err = cli("inspect", native, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    if shared_rope:
+        assert info["fast kernel in ik_llama.cpp flash MLA"].startswith("yes: -mla 3 -fa 1 decode runs (K, V) = 192/128")
+        assert info["fast kernel in vLLM MLA"].startswith("no: latent + rope = 192")
+    else:  # per-layer rope frequencies: no engine runs it at all
+        assert all(info[f"fast kernel in {e}"].startswith("no: not exportable") for e in
+                   ("ik_llama.cpp flash MLA", "vLLM MLA", "llama.cpp"))
