@@ -153,3 +153,44 @@ def llama_bench(gguf_paths: list[str | Path], depths: list[int], n_gen: int, rep
     args += ["-p", "0", "-n", n_gen, "-d", ",".join(map(str, depths)), "-r", reps, "-t", threads,
              "-fa", "on" if flash_attn else "off", "-o", "json"]
     return json.loads(_run(args).stdout)
+
+
+def ik_llama_bench(gguf_path: str | Path, depths: list[int], n_gen: int, reps: int, threads: int, mla: int = 3,
+                   flash_attn: bool = True, cache_type: str = "f16", n_prompt: int = 0) -> list[dict]:
+    """ik_llama.cpp's llama-bench: decode after a prompt of each depth (`-gp DEPTH,n_gen`; depth 0 is
+    `-n n_gen`) and, with n_prompt, prompt speed (`-p`), in MLA mode `mla`, one JSON record per row:
+    n_depth, n_prompt, n_gen and samples_ts (tokens/s of each repetition)."""
+    args: list[str | Path] = [llama_cpp_tool("llama-bench", IK), "-m", gguf_path, "-p", n_prompt, "-n", 0,
+                              "-r", reps, "-t", threads, "-mla", mla, "-fa", int(flash_attn),
+                              "-ctk", cache_type, "-ctv", cache_type, "-o", "json"]
+    for depth in depths:
+        args += ["-n", n_gen] if depth == 0 else ["-gp", f"{depth},{n_gen}"]
+    rows = []
+    for row in json.loads(_run(args).stdout):
+        if row["n_gen"] == 0 and row["n_prompt"] == 0:
+            continue
+        gp = row["n_gen"] > 0 and row["n_prompt"] > 0  # -gp: the prompt's tokens are not counted in the rate
+        tokens = row["n_gen"] if gp or row["n_prompt"] == 0 else row["n_prompt"]
+        rows.append({"n_depth": row["n_prompt"] if gp else 0, "n_prompt": 0 if gp else row["n_prompt"],
+                     "n_gen": row["n_gen"], "samples_ts": [1e9 * tokens / ns for ns in row["samples_ns"]],
+                     "mla_attn": mla, "flash_attn": flash_attn, "type_k": row.get("type_k")})
+    return rows
+
+
+_BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|"
+                          r"\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|", re.M)
+
+
+def ik_batched_bench(gguf_path: str | Path, depth: int, n_gen: int, parallel: list[int], threads: int, mla: int = 3,
+                     flash_attn: bool = True, cache_type: str = "f16") -> list[dict]:
+    """ik_llama.cpp's llama-batched-bench: `parallel` sequences, each with its own prompt of `depth`
+    tokens, then n_gen tokens each decoded together; one record per sequence count (S_TG: decode tokens/s
+    summed over the sequences)."""
+    n_ctx = max(parallel) * (depth + n_gen)
+    proc = _run([llama_cpp_tool("llama-batched-bench", IK), "-m", gguf_path, "-c", n_ctx, "-b", 2048, "-ub", 512,
+                 "-npp", depth, "-ntg", n_gen, "-npl", ",".join(map(str, parallel)), "-t", threads,
+                 "-mla", mla, "-fa", int(flash_attn), "-ctk", cache_type, "-ctv", cache_type])
+    return [{"depth": int(pp), "n_gen": int(tg), "sequences": int(b), "n_kv": int(kv), "prompt_s": float(t_pp),
+             "prompt_tps": float(s_pp), "decode_s": float(t_tg), "decode_tps": float(s_tg), "mla_attn": mla,
+             "flash_attn": flash_attn}
+            for pp, tg, b, kv, t_pp, s_pp, t_tg, s_tg in _BATCHED_ROW.findall(proc.stdout + proc.stderr)]
