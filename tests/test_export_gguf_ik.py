@@ -76,6 +76,19 @@ def test_ik_llama_cpp_runs_our_conversions_exactly(exported, case, mode):
     assert kv.kv_t_mib == pytest.approx(0 if flash else per_token * mla["kv_lora_rank"], abs=0.005)
 
 
+@pytest.mark.parametrize("case", ["r64-c128", "r64-c256", "r64-c512", "r32-c64"])
+def test_ik_flash_mla_with_an_f16_cache(exported, case):
+    """ik's flash attention kernels take f16, bf16 or q8_0 caches, not f32 (iqk_flash_attn.cpp): with an
+    f32 cache the tests above run ggml's generic loop in -mla 3 -fa 1. With f16 the rope-64 shapes run
+    its kernels (192/128, 320/256, 576/512; the cache length is padded to 256); logits then differ from
+    ours by the f16 rounding of the cache and of the kernel's products."""
+    result, _, (ref, ref_long) = exported(case)
+    for run, tokens, want in (("decode", TOKENS, ref), ("prefill", LONG, ref_long)):
+        logits, log = llama_logits(result.path, tokens, run, n_ctx=512, build=IK, mla=3, flash_attn=True, cache_type="f16")
+        assert ik_kv_cache_report(log).type == "f16"
+        assert relative_error(logits, want) <= 5e-3, run
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"rope_interleave": False}, {"q_lora_rank": 24}, {"num_hidden_layers": 26, "first_k_dense_replace": 26}],

@@ -8,9 +8,11 @@
 // llama.cpp's own log (model hparams, KV cache size) goes to stderr.
 //
 // Built against ik_llama.cpp (tools/ik_llama_cpp/build.sh, -DIK_LLAMA_CPP) the same tool takes its
-// MLA mode and flash attention after N_CTX (its llama.h names a few calls and fields differently):
+// MLA mode, flash attention (0 or 1) and the KV cache type (f32, f16, bf16 or q8_0: its flash
+// attention kernels take f16, bf16 and q8_0, not f32) after N_CTX (its llama.h names a few calls and
+// fields differently):
 //
-//   transmla-logits MODEL.gguf OUT.bin prefill|decode N_CTX MLA FA TOKEN [TOKEN ...]
+//   transmla-logits MODEL.gguf OUT.bin prefill|decode N_CTX MLA FA KV_TYPE TOKEN [TOKEN ...]
 #include "llama.h"
 
 #include <cstdio>
@@ -19,8 +21,8 @@
 #include <vector>
 
 #ifdef IK_LLAMA_CPP
-#define MODE_ARGS " MLA FA"
-static const int first_token = 7;
+#define MODE_ARGS " MLA FA KV_TYPE"
+static const int first_token = 8;
 #define llama_model_free llama_free_model
 #else
 #define MODE_ARGS ""
@@ -53,6 +55,11 @@ int main(int argc, char ** argv) {
 #ifdef IK_LLAMA_CPP
     cparams.mla_attn = atoi(argv[5]);
     cparams.flash_attn = atoi(argv[6]) != 0;
+    const char * kv = argv[7];
+    const ggml_type kv_type = strcmp(kv, "f16") == 0 ? GGML_TYPE_F16 : strcmp(kv, "bf16") == 0 ? GGML_TYPE_BF16
+                            : strcmp(kv, "q8_0") == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F32;
+    cparams.type_k = kv_type;
+    cparams.type_v = kv_type;
 #else
     cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
 #endif

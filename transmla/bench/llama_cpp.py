@@ -82,12 +82,14 @@ def kv_cache_report(log: str) -> KVCacheReport:
 
 
 def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256,
-                 build: LlamaBuild = MAINLINE, mla: int = 3, flash_attn: bool = True) -> tuple[np.ndarray, str]:
+                 build: LlamaBuild = MAINLINE, mla: int = 3, flash_attn: bool = True,
+                 cache_type: str = "f32") -> tuple[np.ndarray, str]:
     """Logits [len(tokens), vocab] from llama.cpp (f32 KV cache, one thread) and its log.
 
-    prefill: one batch; decode: one token per llama_decode call (the cached path). mla and
-    flash_attn: ik_llama.cpp's MLA mode and flash attention (build=IK only; mainline: no flash attention)."""
-    modes = [mla, int(flash_attn)] if build == IK else []
+    prefill: one batch; decode: one token per llama_decode call (the cached path). mla, flash_attn
+    and cache_type (f32, f16, bf16, q8_0): ik_llama.cpp's MLA mode, flash attention and KV type
+    (build=IK only; mainline: no flash attention, f32)."""
+    modes = [mla, int(flash_attn), cache_type] if build == IK else []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.bin"
         proc = _run([llama_cpp_tool("transmla-logits", build), gguf_path, out, mode, n_ctx, *modes, *tokens])
