@@ -128,6 +128,7 @@ def test_ik_header_follows_its_loader(tmp_path):
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.0.attn_q_a.weight"] == gguf.GGMLQuantizationType.BF16  # tiny-scaled: never Q8_0
     assert types["blk.0.attn_q_b.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_kv_b.weight"] == gguf.GGMLQuantizationType.BF16  # d_nope 16: ik's derived k_b rows
     assert result.cache_elements == 32 + 8
 
 

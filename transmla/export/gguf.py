@@ -40,7 +40,9 @@ writes its conventions, `MAINLINE` llama.cpp's:
 Weight types: f32, bf16 or q8_0 for matrices (norms are always f32). The latent rows of
 attn_kv_a_mqa and a norm-trick attn_q_a are scaled by a tiny power of two (the latent-norm no-op
 of the DeepSeek export); Q8_0's fp16 block scales would underflow, so those tensors stay f32 (f32)
-or bf16 (otherwise). Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16.
+or bf16 (otherwise). Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16,
+and so does ik's attn_kv_b when d_nope is not a multiple of 32 (ik derives attn_k_b from it as Q8_0
+rows of d_nope values).
 """
 
 from __future__ import annotations
@@ -309,13 +311,16 @@ def expected_tensor_count(shape: DeepseekShape, engine: GGUFEngine = MAINLINE) -
     return 2 + (0 if shape.tied_embeddings else 1) + shape.num_layers * per_layer
 
 
-def tensor_type(gguf_name: str, array: np.ndarray, weight_type: str) -> gguf.GGMLQuantizationType:
+def tensor_type(gguf_name: str, array: np.ndarray, weight_type: str, d_nope: int = 0) -> gguf.GGMLQuantizationType:
+    """The GGUF type of one tensor. d_nope: ik_llama.cpp derives attn_k_b [H, d_c, d_nope] from a
+    quantized attn_kv_b as Q8_0 rows of d_nope values, so a Q8_0 attn_kv_b needs d_nope % 32 == 0."""
     if array.ndim == 1:
         return Q.F32
     if gguf_name.endswith(SCALED):
         return Q.F32 if weight_type == "f32" else Q.BF16
     qtype = MATRIX_TYPES[weight_type]
-    if qtype == Q.Q8_0 and array.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
+    block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
+    if qtype == Q.Q8_0 and (array.shape[-1] % block or gguf_name.endswith("attn_kv_b.weight") and d_nope % block):
         return Q.BF16
     return qtype
 
@@ -355,7 +360,7 @@ def write_gguf(
     count = 0
     for gguf_name, tensor in gguf_tensors(tensors, shape, engine):
         array = tensor.detach().to(torch.float32).cpu().numpy()
-        qtype = tensor_type(gguf_name, array, weight_type)
+        qtype = tensor_type(gguf_name, array, weight_type, shape.d_nope)
         writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         count += 1
     if count != expected_tensor_count(shape, engine):
