@@ -19,9 +19,10 @@ TARGETS="llama llama-perplexity llama-bench llama-batched-bench"
 
 built=yes
 for t in llama-perplexity llama-bench llama-batched-bench; do [ -x "$BIN/$t" ] || built=no; done
-logits() {
+logits() {  # libllama and libggml stay in the build tree (build/src, build/ggml/src), as llama-bench finds them
+    LIBS="$DIR/build/src:$DIR/build/ggml/src"
     ${CXX:-g++} -O2 -std=c++17 -DIK_LLAMA_CPP "$LOGITS" -I"$SRC/include" -I"$SRC/ggml/include" \
-        -L"$BIN" -lllama -lggml -Wl,-rpath,"$BIN" -o "$BIN/transmla-logits"
+        -L"$DIR/build/src" -L"$DIR/build/ggml/src" -lllama -lggml -Wl,-rpath,"$LIBS" -o "$BIN/transmla-logits"
 }
 SRC=$DIR/src
 if [ $built = yes ]; then

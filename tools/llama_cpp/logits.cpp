@@ -8,8 +8,9 @@
 // llama.cpp's own log (model hparams, KV cache size) goes to stderr.
 //
 // Built against ik_llama.cpp (tools/ik_llama_cpp/build.sh, -DIK_LLAMA_CPP) the same tool takes its
-// MLA mode, flash attention (0 or 1) and the KV cache type (f32, f16, bf16 or q8_0: its flash
-// attention kernels take f16, bf16 and q8_0, not f32) after N_CTX (its llama.h names a few calls and
+// MLA mode, flash attention (0 or 1) and the KV cache type (f32, f16, bf16 or q8_0, or K,V types:
+// on the CPU its flash attention takes no f32 cache and without it the V cache must be f16 or bf16)
+// after N_CTX (its llama.h names a few calls and
 // fields differently):
 //
 //   transmla-logits MODEL.gguf OUT.bin prefill|decode N_CTX MLA FA KV_TYPE TOKEN [TOKEN ...]
@@ -23,6 +24,11 @@
 #ifdef IK_LLAMA_CPP
 #define MODE_ARGS " MLA FA KV_TYPE"
 static const int first_token = 8;
+static ggml_type cache_type(const char * name) {  // f32, f16, bf16 or q8_0, up to the end or a comma
+    const size_t n = strcspn(name, ",");
+    return strncmp(name, "f16", n) == 0 && n == 3 ? GGML_TYPE_F16 : strncmp(name, "bf16", n) == 0 && n == 4 ? GGML_TYPE_BF16
+         : strncmp(name, "q8_0", n) == 0 && n == 4 ? GGML_TYPE_Q8_0 : GGML_TYPE_F32;
+}
 #define llama_model_free llama_free_model
 #else
 #define MODE_ARGS ""
@@ -41,6 +47,9 @@ int main(int argc, char ** argv) {
 
     llama_backend_init();
     llama_model_params mparams = llama_model_default_params();
+#ifdef IK_LLAMA_CPP
+    mparams.mla = atoi(argv[5]);  // ik derives attn_k_b/attn_v_b from attn_kv_b at load for this MLA mode
+#endif
     llama_model * model = llama_model_load_from_file(argv[1], mparams);
     if (model == nullptr) { fprintf(stderr, "failed to load %s\n", argv[1]); return 1; }
 
@@ -55,11 +64,9 @@ int main(int argc, char ** argv) {
 #ifdef IK_LLAMA_CPP
     cparams.mla_attn = atoi(argv[5]);
     cparams.flash_attn = atoi(argv[6]) != 0;
-    const char * kv = argv[7];
-    const ggml_type kv_type = strcmp(kv, "f16") == 0 ? GGML_TYPE_F16 : strcmp(kv, "bf16") == 0 ? GGML_TYPE_BF16
-                            : strcmp(kv, "q8_0") == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F32;
-    cparams.type_k = kv_type;
-    cparams.type_v = kv_type;
+    const char * comma = strchr(argv[7], ',');  // KV_TYPE: one type, or K,V
+    cparams.type_k = cache_type(argv[7]);
+    cparams.type_v = cache_type(comma ? comma + 1 : argv[7]);
 #else
     cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
 #endif

@@ -83,12 +83,13 @@ def kv_cache_report(log: str) -> KVCacheReport:
 
 def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256,
                  build: LlamaBuild = MAINLINE, mla: int = 3, flash_attn: bool = True,
-                 cache_type: str = "f32") -> tuple[np.ndarray, str]:
-    """Logits [len(tokens), vocab] from llama.cpp (f32 KV cache, one thread) and its log.
+                 cache_type: str = "f16") -> tuple[np.ndarray, str]:
+    """Logits [len(tokens), vocab] from llama.cpp (one thread) and its log (stdout and stderr).
 
-    prefill: one batch; decode: one token per llama_decode call (the cached path). mla, flash_attn
-    and cache_type (f32, f16, bf16, q8_0): ik_llama.cpp's MLA mode, flash attention and KV type
-    (build=IK only; mainline: no flash attention, f32)."""
+    prefill: one batch; decode: one token per llama_decode call (the cached path). Mainline: no
+    flash attention, an f32 KV cache. build=IK: ik_llama.cpp's MLA mode `mla`, flash attention and KV
+    cache type (f16, bf16, q8_0, f32, or "K,V"; on the CPU ik takes no f32 cache with flash attention
+    and no V cache but f16/bf16 without it)."""
     modes = [mla, int(flash_attn), cache_type] if build == IK else []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.bin"
@@ -110,7 +111,7 @@ class IKKVCacheReport:
 
 
 _IK_KV_LINE = re.compile(r"KV self size += +([\d.]+) MiB, c\^KV \((\w+)\): +([\d.]+) MiB, kv\^T(?: \((\w+)\): +([\d.]+) MiB|: not used)")
-_IK_N_CTX = re.compile(r"llama_new_context_with_model: n_ctx += (\d+)")
+_IK_N_CTX = re.compile(r"llama_init_from_model: n_ctx += (\d+)")
 
 
 def ik_kv_cache_report(log: str) -> IKKVCacheReport:

@@ -27,7 +27,10 @@ writes its conventions, `MAINLINE` llama.cpp's:
 - head_count_kv = n_head, key_length = d_nope + d_r, value_length = d_v (a file with
   head_count_kv 1 is refused unless it is DeepSeek's own 576/512 with rope 64); kq_scale is
   1/sqrt(key_length), rope dimension_count = d_r; the cache is still [k_rope; c] per token.
-- attn_kv_b whole ([H*(d_nope+d_v), d_c]; it derives attn_k_b/attn_v_b at load).
+- attn_kv_b whole ([H*(d_nope+d_v), d_c]: its prompt path decompresses the cache with it) and
+  attn_k_b/attn_v_b as 2-D matrices ([H*d_c, d_nope], [H*d_v, d_c]). ik would derive these two at load
+  (llm_prepare_mla), but that step's ggml context is sized from the tensors alone and overflows
+  (a crash in ggml_new_tensor) for small latents with many layers, e.g. 26 layers of latent 32.
 - Every layer count other than 26/27 (DeepSeek-V2-Lite's) needs attn_q_a/attn_q_a_norm/attn_q_b:
   a plain q_proj W_q is written as q_a = s I (D x D), q_a_norm = sqrt(eps)/s, q_b = W_q, the
   latent-norm trick of the DeepSeek export (deepseek_layer.norm_trick_scale): the norm returns
@@ -40,9 +43,7 @@ writes its conventions, `MAINLINE` llama.cpp's:
 Weight types: f32, bf16 or q8_0 for matrices (norms are always f32). The latent rows of
 attn_kv_a_mqa and a norm-trick attn_q_a are scaled by a tiny power of two (the latent-norm no-op
 of the DeepSeek export); Q8_0's fp16 block scales would underflow, so those tensors stay f32 (f32)
-or bf16 (otherwise). Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16,
-and so does ik's attn_kv_b when d_nope is not a multiple of 32 (ik derives attn_k_b from it as Q8_0
-rows of d_nope values).
+or bf16 (otherwise). Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16.
 """
 
 from __future__ import annotations
@@ -96,13 +97,13 @@ class GGUFEngine:
 
     name: str
     heads_kv: bool  # head_count_kv = n_head, key/value_length = the per-head sizes (ik), else the cache widths
-    split_kv_b: bool  # attn_k_b/attn_v_b (mainline) or attn_kv_b whole (ik)
+    whole_kv_b: bool  # attn_kv_b as well (ik), beside attn_k_b/attn_v_b (ik: as 2-D matrices)
     full_rank_q: bool  # a plain q_proj goes through attn_q_a/attn_q_a_norm/attn_q_b (ik, except 26/27 layers)
     untie: bool  # output.weight always written
 
 
-MAINLINE = GGUFEngine("llama.cpp", heads_kv=False, split_kv_b=True, full_rank_q=False, untie=False)
-IK = GGUFEngine("ik_llama.cpp", heads_kv=True, split_kv_b=False, full_rank_q=True, untie=True)
+MAINLINE = GGUFEngine("llama.cpp", heads_kv=False, whole_kv_b=False, full_rank_q=False, untie=False)
+IK = GGUFEngine("ik_llama.cpp", heads_kv=True, whole_kv_b=True, full_rank_q=True, untie=True)
 ENGINES = {e.name: e for e in (MAINLINE, IK)}
 IK_LITE_LAYERS = (26, 27)  # ik_llama.cpp loads these as DeepSeek-V2-Lite: a plain attn_q, no q_a
 
@@ -274,14 +275,15 @@ def gguf_tensors(
         if len(parts) < 4 or parts[:2] != ["model", "layers"] or parts[3] not in LAYER_TENSORS:
             raise ExportError(f"GGUF export: no deepseek2 tensor for {name}")
         block, rel = f"blk.{parts[2]}.", parts[3]
-        if rel == "self_attn.kv_b_proj.weight" and not engine.split_kv_b:
-            yield block + "attn_kv_b.weight", tensor  # [H*(d_nope+d_v), d_c]
-            continue
         if rel == "self_attn.kv_b_proj.weight":
             kv_b = tensor.reshape(shape.num_heads, shape.d_nope + shape.d_v, shape.d_c)  # [H, d_nope+d_v, d_c]
             k_b, v_b = kv_b.split([shape.d_nope, shape.d_v], dim=1)
-            yield block + "attn_k_b.weight", k_b.transpose(1, 2).contiguous()  # [H, d_c, d_nope]
-            yield block + "attn_v_b.weight", v_b.contiguous()  # [H, d_v, d_c]
+            k_b, v_b = k_b.transpose(1, 2).contiguous(), v_b.contiguous()  # [H, d_c, d_nope], [H, d_v, d_c]
+            if engine.whole_kv_b:  # ik: kv_b for its prompt path, k_b/v_b as [H*d_c, d_nope], [H*d_v, d_c]
+                yield block + "attn_kv_b.weight", tensor  # [H*(d_nope+d_v), d_c]
+                k_b, v_b = k_b.flatten(0, 1), v_b.flatten(0, 1)
+            yield block + "attn_k_b.weight", k_b
+            yield block + "attn_v_b.weight", v_b
             continue
         if not shape.rope_interleave:
             if rel in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
@@ -306,21 +308,18 @@ def gguf_tensors(
 
 
 def expected_tensor_count(shape: DeepseekShape, engine: GGUFEngine = MAINLINE) -> int:
-    # norms 2, q 1|3, kv_a 1, kv_norm 1, k_b + v_b | kv_b, o, ffn 3
-    per_layer = 8 + (3 if shape.q_rank_written else 1) + (2 if engine.split_kv_b else 1)
+    # norms 2, q 1|3, kv_a 1, kv_norm 1, k_b + v_b (+ kv_b), o, ffn 3
+    per_layer = 8 + (3 if shape.q_rank_written else 1) + (3 if engine.whole_kv_b else 2)
     return 2 + (0 if shape.tied_embeddings else 1) + shape.num_layers * per_layer
 
 
-def tensor_type(gguf_name: str, array: np.ndarray, weight_type: str, d_nope: int = 0) -> gguf.GGMLQuantizationType:
-    """The GGUF type of one tensor. d_nope: ik_llama.cpp derives attn_k_b [H, d_c, d_nope] from a
-    quantized attn_kv_b as Q8_0 rows of d_nope values, so a Q8_0 attn_kv_b needs d_nope % 32 == 0."""
+def tensor_type(gguf_name: str, array: np.ndarray, weight_type: str) -> gguf.GGMLQuantizationType:
     if array.ndim == 1:
         return Q.F32
     if gguf_name.endswith(SCALED):
         return Q.F32 if weight_type == "f32" else Q.BF16
     qtype = MATRIX_TYPES[weight_type]
-    block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
-    if qtype == Q.Q8_0 and (array.shape[-1] % block or gguf_name.endswith("attn_kv_b.weight") and d_nope % block):
+    if qtype == Q.Q8_0 and array.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
         return Q.BF16
     return qtype
 
@@ -360,7 +359,7 @@ def write_gguf(
     count = 0
     for gguf_name, tensor in gguf_tensors(tensors, shape, engine):
         array = tensor.detach().to(torch.float32).cpu().numpy()
-        qtype = tensor_type(gguf_name, array, weight_type, shape.d_nope)
+        qtype = tensor_type(gguf_name, array, weight_type)
         writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         count += 1
     if count != expected_tensor_count(shape, engine):
