@@ -23,6 +23,15 @@ and 8 sequences with their own prompt of 4K and 16K, N tokens each (S_TG). Promp
 4096. Ideal speedup = bytes read per decode step, source / conversion: weights (all but a gathered
 token embedding) + KV cache at that depth (d_c + d_r, or the source's 2 x KV heads x head_dim, per
 token per layer, at the cache type's bytes), times the sequences for parallel decode.
+
+Parallel decode in -mla 3 -fa 1 with the kernel shapes aborts in ik_llama.cpp 0.1.5 (GGML_ASSERT(S > 0),
+iqk_fa_templates.h:1157; seen with tiny conversions of 192/128, 320/256 and 576/512, 2 sequences with
+their own prompts; 96/64, which has no kernel, runs). Its compute_helper (iqk_fa_templates.h
+~1362-1366) decides how many K blocks to process from the mask of the last query row of each q step
+alone (the last block whose first cell that row sees); with several sequences in a batch that row
+belongs to another sequence than the other rows, so blocks they see are skipped (all of them here:
+S = 0). The smallest fix: take that bound over every row of the q step. Rows that fail are recorded
+as such; -mla 1 -fa 0 (GEMM) runs.
 """
 
 from __future__ import annotations
@@ -128,8 +137,13 @@ def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], ca
                     key = f"{engine}|{name}|{label}|{cache_type}|t{t}"
                     before = os.getloadavg()
                     log(f"{phase} {key} (load {before})")
-                    if phase == "parallel":
-                        rows = {str(d): ik_batched_bench(path, d, n_gen, parallel, t, mla, fa, cache_type) for d in depths}
+                    if phase == "parallel":  # flash MLA aborts here in the kernel shapes (module notes): recorded
+                        rows = {}
+                        for d in depths:
+                            try:
+                                rows[str(d)] = ik_batched_bench(path, d, n_gen, parallel, t, mla, fa, cache_type)
+                            except RuntimeError as e:
+                                rows[str(d)] = [{"error": str(e).splitlines()[-1]}]
                     elif engine == "mainline":
                         rows = {str(r["n_depth"]): r for r in llama_bench([path], depths, n_gen, reps, t, fa)}
                     elif phase == "decode":
@@ -175,6 +189,9 @@ def phase_report() -> None:
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
             for depth, rows in entry["rows"].items():
                 for row in rows:
+                    if "error" in row:
+                        lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | failed: {row['error']} | | |")
+                        continue
                     ratio = best = ""
                     src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r["sequences"] == row["sequences"]), None)
                     if src_row and label != "source":

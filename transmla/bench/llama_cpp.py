@@ -168,8 +168,9 @@ def ik_llama_bench(gguf_path: str | Path, depths: list[int], n_gen: int, reps: i
                               "-ctk", cache_type, "-ctv", cache_type, "-o", "json"]
     for depth in depths:
         args += ["-n", n_gen] if depth == 0 else ["-gp", f"{depth},{n_gen}"]
+    stdout = _run(args).stdout  # ik also printf()s a few notes of its loader there
     rows = []
-    for row in json.loads(_run(args).stdout):
+    for row in json.loads("\n".join(line for line in stdout.splitlines() if not line.startswith("="))):
         if row["n_gen"] == 0 and row["n_prompt"] == 0:
             continue
         gp = row["n_gen"] > 0 and row["n_prompt"] > 0  # -gp: the prompt's tokens are not counted in the rate

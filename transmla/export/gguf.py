@@ -218,6 +218,7 @@ def add_hparams(writer: gguf.GGUFWriter, shape: DeepseekShape, weight_type: str,
         writer.add_key_length(shape.d_nope + shape.d_rope)
         writer.add_value_length(shape.d_v)
         writer.add_expert_weights_scale(1.0)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)  # unused (no experts); read, else guessed aloud
     else:
         writer.add_key_length(shape.d_c + shape.d_rope)
         writer.add_value_length(shape.d_c)
