@@ -21,17 +21,18 @@ decoded after a DEPTH-token prompt) at 4K, 16K and 32K; the conversion in -mla 3
 -mla 1 -fa 0 (GEMM), the source with -fa 1 (-mla is ignored for it). Parallel: llama-batched-bench, 4
 and 8 sequences with their own prompt of 4K and 16K, N tokens each (S_TG). Prompt: llama-bench -p 512,
 4096. Ideal speedup = bytes read per decode step, source / conversion: weights (all but a gathered
-token embedding) + KV cache at that depth (d_c + d_r, or the source's 2 x KV heads x head_dim, per
+token embedding, and attn_kv_b, which only prompts of 128+ tokens read) + KV cache at that depth (d_c + d_r, or the source's 2 x KV heads x head_dim, per
 token per layer, at the cache type's bytes), times the sequences for parallel decode.
 
-Parallel decode in -mla 3 -fa 1 with the kernel shapes aborts in ik_llama.cpp 0.1.5 (GGML_ASSERT(S > 0),
-iqk_fa_templates.h:1157; seen with tiny conversions of 192/128, 320/256 and 576/512, 2 sequences with
-their own prompts; 96/64, which has no kernel, runs). Its compute_helper (iqk_fa_templates.h
-~1362-1366) decides how many K blocks to process from the mask of the last query row of each q step
-alone (the last block whose first cell that row sees); with several sequences in a batch that row
-belongs to another sequence than the other rows, so blocks they see are skipped (all of them here:
-S = 0). The smallest fix: take that bound over every row of the q step. Rows that fail are recorded
-as such; -mla 1 -fa 0 (GEMM) runs.
+Parallel decode with flash attention aborts in ik_llama.cpp 0.1.5 whenever its CPU kernels run
+(GGML_ASSERT(S > 0), iqk_fa_templates.h:1157): seen for the GQA source (64/64) and for conversions of
+192/128, 320/256 and 576/512 with 2 sequences that have their own prompts; 96/64, which has no kernel,
+runs. Its compute_helper (iqk_fa_templates.h ~1362-1366) decides how many K blocks to process from
+the mask of the last query row of each q step alone (the last block whose first cell that row sees);
+with several sequences in a batch that row belongs to another sequence than the other rows, so blocks
+they see are skipped (all of them here: S = 0). The smallest fix: take that bound over every row of
+the q step. Failed rows are recorded as such; `source no-fa` (-fa 0) and the conversion's -mla 1 -fa 0
+run, and the conversion's GEMM rows are compared with `source no-fa`.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def gguf_facts(path: Path) -> dict:
         cache = value("deepseek2.attention.kv_lora_rank") + value("deepseek2.rope.dimension_count")
     else:
         cache = 2 * value(f"{arch}.attention.head_count_kv") * value(f"{arch}.embedding_length") // value(f"{arch}.attention.head_count")
-    return {"layers": value(f"{arch}.block_count"), "cache_elements": cache, "weight_bytes": weight_bytes_per_step(path)}
+    # attn_kv_b (the gguf-ik file's, beside attn_k_b/attn_v_b) is read only by prompts of 128+ tokens
+    kv_b = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name.endswith("attn_kv_b.weight"))
+    return {"layers": value(f"{arch}.block_count"), "cache_elements": cache,
+            "weight_bytes": weight_bytes_per_step(path) - kv_b}
 
 
 def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1) -> float:
@@ -117,9 +121,10 @@ def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1
 
 def runs(p: dict[str, Path], engine: str) -> list[tuple[str, Path, int, bool]]:
     """(label, GGUF, -mla, -fa) of the source and of the conversion in each MLA mode."""
-    if engine == "mainline":
+    if engine == "mainline":  # `source` and `conversion` rows, as the ratios pair them
         return [("source", p["source"], 0, True), ("conversion", p["mainline"], 0, True)]
-    return [("source", p["source"], 0, True)] + [(f"conversion {m}", p["ik"], *MODES[m]) for m in MODES]
+    return ([("source", p["source"], 0, True), ("source no-fa", p["source"], 0, False)]
+            + [(f"conversion {m}", p["ik"], *MODES[m]) for m in MODES])
 
 
 def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], cache_types: list[str], engine: str,
@@ -143,7 +148,8 @@ def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], ca
                             try:
                                 rows[str(d)] = ik_batched_bench(path, d, n_gen, parallel, t, mla, fa, cache_type)
                             except RuntimeError as e:
-                                rows[str(d)] = [{"error": str(e).splitlines()[-1]}]
+                                lines = str(e).splitlines()
+                                rows[str(d)] = [{"error": next((x for x in lines if "GGML_ASSERT" in x), lines[-1])}]
                     elif engine == "mainline":
                         rows = {str(r["n_depth"]): r for r in llama_bench([path], depths, n_gen, reps, t, fa)}
                     elif phase == "decode":
@@ -171,10 +177,12 @@ def phase_report() -> None:
         for key, entry in sorted(data[phase].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data[phase].get(f"{engine}|{name}|source|{cache_type}|{t}")
+            if label in ("conversion gemm", "source no-fa"):  # against the source without flash attention
+                src = data[phase].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
             for row_key, row in entry["rows"].items():
                 tps = statistics.median(row["samples_ts"])
                 ratio = best = ""
-                if src and label != "source" and row_key in src["rows"]:
+                if src and not label.startswith("source") and row_key in src["rows"]:
                     ratio = f"{tps / statistics.median(src['rows'][row_key]['samples_ts']):.2f}x"
                     if phase == "decode":
                         best = f"{ideal(src['gguf'], entry['gguf'], int(row_key), cache_type):.2f}x"
@@ -187,14 +195,16 @@ def phase_report() -> None:
         for key, entry in sorted(data["parallel"].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
+            if label in ("conversion gemm", "source no-fa"):
+                src = data["parallel"].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
             for depth, rows in entry["rows"].items():
                 for row in rows:
                     if "error" in row:
                         lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | failed: {row['error']} | | |")
                         continue
                     ratio = best = ""
-                    src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r["sequences"] == row["sequences"]), None)
-                    if src_row and label != "source":
+                    src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]), None)
+                    if src_row and not label.startswith("source"):
                         ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x"
                         best = f"{ideal(src['gguf'], entry['gguf'], int(depth), cache_type, row['sequences']):.2f}x"
                     lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | "

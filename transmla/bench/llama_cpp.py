@@ -191,9 +191,10 @@ def ik_batched_bench(gguf_path: str | Path, depth: int, n_gen: int, parallel: li
     tokens, then n_gen tokens each decoded together; one record per sequence count (S_TG: decode tokens/s
     summed over the sequences)."""
     n_ctx = max(parallel) * (depth + n_gen)
-    proc = _run([llama_cpp_tool("llama-batched-bench", IK), "-m", gguf_path, "-c", n_ctx, "-b", 2048, "-ub", 512,
-                 "-npp", depth, "-ntg", n_gen, "-npl", ",".join(map(str, parallel)), "-t", threads,
-                 "-mla", mla, "-fa", int(flash_attn), "-ctk", cache_type, "-ctv", cache_type])
+    with tempfile.TemporaryDirectory() as tmp:  # it writes llama.log into its working directory
+        proc = _run([llama_cpp_tool("llama-batched-bench", IK), "-m", Path(gguf_path).resolve(), "-c", n_ctx, "-b", 2048,
+                     "-ub", 512, "-npp", depth, "-ntg", n_gen, "-npl", ",".join(map(str, parallel)), "-t", threads,
+                     "-mla", mla, "-fa", int(flash_attn), "-ctk", cache_type, "-ctv", cache_type], cwd=tmp)
     return [{"depth": int(pp), "n_gen": int(tg), "sequences": int(b), "n_kv": int(kv), "prompt_s": float(t_pp),
              "prompt_tps": float(s_pp), "decode_s": float(t_tg), "decode_tps": float(s_tg), "mla_attn": mla,
              "flash_attn": flash_attn}
