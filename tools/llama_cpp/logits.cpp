@@ -4,7 +4,10 @@
 //
 //   transmla-logits MODEL.gguf OUT.bin prefill|decode N_CTX TOKEN [TOKEN ...]
 //
-// prefill: one batch with all tokens; decode: one llama_decode call per token (the cached path).
+// prefill: one batch with all tokens; decode: one llama_decode call per token (the cached path);
+// parallel: two sequences of the same tokens, each prompt (all but the last 8 tokens) decoded on its
+// own, then the last 8 tokens of both sequences decoded together, one batch of two per step (the
+// cache holds both sequences: parallel decode); OUT then holds [2, n_tokens, n_vocab].
 // llama.cpp's own log (model hparams, KV cache size) goes to stderr.
 //
 // Built against ik_llama.cpp (tools/ik_llama_cpp/build.sh, -DIK_LLAMA_CPP) the same tool takes its
@@ -36,11 +39,12 @@ static const int first_token = 5;
 #endif
 
 int main(int argc, char ** argv) {
-    if (argc < first_token + 1 || (strcmp(argv[3], "prefill") != 0 && strcmp(argv[3], "decode") != 0)) {
-        fprintf(stderr, "usage: %s MODEL.gguf OUT.bin prefill|decode N_CTX" MODE_ARGS " TOKEN [TOKEN ...]\n", argv[0]);
+    const char * mode = argc > 3 ? argv[3] : "";
+    const bool prefill = strcmp(mode, "prefill") == 0, parallel = strcmp(mode, "parallel") == 0;
+    if (argc < first_token + 1 || (!prefill && !parallel && strcmp(mode, "decode") != 0)) {
+        fprintf(stderr, "usage: %s MODEL.gguf OUT.bin prefill|decode|parallel N_CTX" MODE_ARGS " TOKEN [TOKEN ...]\n", argv[0]);
         return 2;
     }
-    const bool prefill = strcmp(argv[3], "prefill") == 0;
     std::vector<llama_token> tokens;
     for (int i = first_token; i < argc; i++) tokens.push_back((llama_token) atoi(argv[i]));
     const int n = (int) tokens.size();
@@ -57,6 +61,7 @@ int main(int argc, char ** argv) {
     cparams.n_ctx = (uint32_t) atoi(argv[4]);  // the KV cache holds this many tokens (>= the tokens given)
     cparams.n_batch = (uint32_t) n;
     cparams.n_ubatch = (uint32_t) n;
+    cparams.n_seq_max = parallel ? 2 : 1;
     cparams.n_threads = 1;
     cparams.n_threads_batch = 1;
     cparams.type_k = GGML_TYPE_F32;
@@ -74,22 +79,37 @@ int main(int argc, char ** argv) {
     if (ctx == nullptr) { fprintf(stderr, "failed to create a context\n"); return 1; }
 
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-    std::vector<float> out((size_t) n * n_vocab);
+    // each llama_decode call: (sequence, first token, count); parallel's last steps hold both sequences
+    struct call { int seq, first, count; bool both; };
+    std::vector<call> calls;
+    const int n_prompt = parallel ? n - 8 : 0;
+    if (parallel && n_prompt < 1) { fprintf(stderr, "parallel needs more than 8 tokens\n"); return 2; }
+    if (prefill) calls.push_back({0, 0, n, false});
+    for (int t = 0; t < n && !prefill && !parallel; t++) calls.push_back({0, t, 1, false});
+    if (parallel) {
+        calls.push_back({0, 0, n_prompt, false});
+        calls.push_back({1, 0, n_prompt, false});
+        for (int t = n_prompt; t < n; t++) calls.push_back({0, t, 1, true});
+    }
+    std::vector<float> out((size_t) (parallel ? 2 : 1) * n * n_vocab);
     llama_batch batch = llama_batch_init(n, 0, 1);
-    const int n_calls = prefill ? 1 : n;
-    for (int c = 0; c < n_calls; c++) {
-        const int first = prefill ? 0 : c, count = prefill ? n : 1;
-        batch.n_tokens = count;
-        for (int j = 0; j < count; j++) {
-            batch.token[j] = tokens[first + j];
-            batch.pos[j] = first + j;
-            batch.n_seq_id[j] = 1;
-            batch.seq_id[j][0] = 0;
-            batch.logits[j] = 1;
+    for (const call & c : calls) {
+        const int n_seq = c.both ? 2 : 1;
+        batch.n_tokens = c.count * n_seq;
+        for (int s = 0; s < n_seq; s++) {
+            for (int j = 0; j < c.count; j++) {
+                const int i = s * c.count + j;
+                batch.token[i] = tokens[c.first + j];
+                batch.pos[i] = c.first + j;
+                batch.n_seq_id[i] = 1;
+                batch.seq_id[i][0] = c.both ? s : c.seq;
+                batch.logits[i] = 1;
+            }
         }
         if (llama_decode(ctx, batch) != 0) { fprintf(stderr, "llama_decode failed\n"); return 1; }
-        for (int j = 0; j < count; j++) {
-            memcpy(&out[(size_t) (first + j) * n_vocab], llama_get_logits_ith(ctx, j), sizeof(float) * n_vocab);
+        for (int i = 0; i < batch.n_tokens; i++) {
+            const int seq = batch.seq_id[i][0], pos = batch.pos[i];
+            memcpy(&out[((size_t) seq * n + pos) * n_vocab], llama_get_logits_ith(ctx, i), sizeof(float) * n_vocab);
         }
     }
     FILE * f = fopen(argv[2], "wb");

@@ -86,7 +86,9 @@ def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill"
                  cache_type: str = "f16") -> tuple[np.ndarray, str]:
     """Logits [len(tokens), vocab] from llama.cpp (one thread) and its log (stdout and stderr).
 
-    prefill: one batch; decode: one token per llama_decode call (the cached path). Mainline: no
+    prefill: one batch; decode: one token per llama_decode call (the cached path); parallel: two
+    sequences of these tokens, their prompts (all but the last 8 tokens) decoded one after the other,
+    then their last 8 tokens together (parallel decode): logits [2, len(tokens), vocab]. Mainline: no
     flash attention, an f32 KV cache. build=IK: ik_llama.cpp's MLA mode `mla`, flash attention and KV
     cache type (f16, bf16, q8_0, f32, or "K,V"; on the CPU ik takes no f32 cache with flash attention
     and no V cache but f16/bf16 without it)."""
@@ -95,7 +97,8 @@ def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill"
         out = Path(tmp) / "logits.bin"
         proc = _run([llama_cpp_tool("transmla-logits", build), gguf_path, out, mode, n_ctx, *modes, *tokens])
         logits = np.fromfile(out, dtype=np.float32)
-    return logits.reshape(len(tokens), -1), proc.stdout + proc.stderr
+    shape = (2, len(tokens), -1) if mode == "parallel" else (len(tokens), -1)
+    return logits.reshape(shape), proc.stdout + proc.stderr
 
 
 @dataclass
