@@ -33,7 +33,7 @@ with several sequences in a batch that row belongs to another sequence than the 
 they see are skipped (all of them here: S = 0; with 128-token prompts it does not abort but ignores
 every generated token, 2.6e-2 off: tests/test_export_gguf_ik.py test_ik_parallel_decode_equals_one_sequence,
 so flash rows that do run are not the same computation). The smallest fix: take that bound over every
-row of the q step. Failed rows are recorded as such; `source no-fa` (-fa 0) and the conversion's -mla 1 -fa 0
+row of the q step (tools/ik_llama_cpp/parallel-flash-attention.patch, checked: with it both run right). Failed rows are recorded as such; `source no-fa` (-fa 0) and the conversion's -mla 1 -fa 0
 run, and the conversion's GEMM rows are compared with `source no-fa`.
 """
 

@@ -212,11 +212,14 @@ PARALLEL_FAULT = ("ik_llama.cpp 0.1.5's CPU flash attention bounds the K blocks 
 @pytest.mark.parametrize("mode", [pytest.param("flash-mla", marks=pytest.mark.xfail(strict=True, reason=PARALLEL_FAULT)), "gemm"])
 def test_ik_parallel_decode_equals_one_sequence(exported, mode, prompt):
     """Two sequences with their own prompts decoded together give each one's own logits (a server with
-    parallel slots): the GEMM path does (2e-7 measured); flash MLA does not (a fault of ik, xfail)."""
+    parallel slots): the GEMM path does (2e-7 measured); flash MLA does not (a fault of ik, xfail). With
+    compute_helper's bound taken over every row of the q step (checked on a patched copy of ik's
+    iqk_fa_templates.h, 192/128 kernel relinked), flash MLA gives 2.1e-7 (prompt 64) and 2.5e-4 (prompt
+    128: f16 rounding of another kernel path), so the bound here is TOL, far below the fault's 2.6e-2."""
     result, _, _ = exported("r64-c128")
     tokens = (LONG * 2)[: prompt + 8]
     mla_mode, flash, cache = MODES[mode]
     one, _ = llama_logits(result.path, tokens, "decode", n_ctx=1024, build=IK, mla=mla_mode, flash_attn=flash, cache_type=cache)
     both, _ = llama_logits(result.path, tokens, "parallel", n_ctx=1024, build=IK, mla=mla_mode, flash_attn=flash, cache_type=cache)
     for seq in (0, 1):  # the 8 tokens decoded together (the prompts ran as prefill, not token by token)
-        assert relative_error(both[seq][prompt:], torch.from_numpy(one[prompt:])) <= 1e-5, seq
+        assert relative_error(both[seq][prompt:], torch.from_numpy(one[prompt:])) <= TOL, seq
