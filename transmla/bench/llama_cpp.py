@@ -1,5 +1,6 @@
 """Running the llama.cpp that `make llama-cpp` builds (tools/llama_cpp/build.sh): logits, the KV
-cache it reports, tokenization, perplexity and llama-bench, each through its own binary."""
+cache it reports, tokenization, perplexity and llama-bench, each through its own binary. The same
+for ik_llama.cpp (`make ik-llama-cpp`, tools/ik_llama_cpp/build.sh): pass build=IK."""
 
 from __future__ import annotations
 
@@ -13,24 +14,35 @@ from pathlib import Path
 
 import numpy as np
 
-LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build
-BUILD_HINT = "build it with `make llama-cpp`"
+@dataclass(frozen=True)
+class LlamaBuild:
+    """One llama.cpp build: its name, the sdist version it is built from, the variable that moves it
+    and the make target that builds it."""
+
+    name: str
+    version: str
+    env: str
+    make_target: str
+
+
+MAINLINE = LlamaBuild("llama.cpp", "0.3.36", "LLAMA_CPP_DIR", "llama-cpp")  # llama-cpp-python's vendored llama.cpp
+IK = LlamaBuild("ik_llama.cpp", "0.1.5", "IK_LLAMA_CPP_DIR", "ik-llama-cpp")  # ik-llama-cpp-python's
 
 
 class LlamaCppMissing(RuntimeError):
     """The llama.cpp build is not there."""
 
 
-def llama_cpp_dir() -> Path:
-    """$LLAMA_CPP_DIR, else ~/.cache/transmla/llama.cpp-<version> (outside every work tree)."""
-    default = Path.home() / ".cache" / "transmla" / f"llama.cpp-{LLAMA_CPP_VERSION}"
-    return Path(os.environ.get("LLAMA_CPP_DIR", default))
+def llama_cpp_dir(build: LlamaBuild = MAINLINE) -> Path:
+    """$LLAMA_CPP_DIR (IK: $IK_LLAMA_CPP_DIR), else ~/.cache/transmla/<name>-<version> (outside every work tree)."""
+    default = Path.home() / ".cache" / "transmla" / f"{build.name}-{build.version}"
+    return Path(os.environ.get(build.env, default))
 
 
-def llama_cpp_tool(name: str) -> Path:
-    path = llama_cpp_dir() / "build" / "bin" / name
+def llama_cpp_tool(name: str, build: LlamaBuild = MAINLINE) -> Path:
+    path = llama_cpp_dir(build) / "build" / "bin" / name
     if not path.is_file():
-        raise LlamaCppMissing(f"{name} not found in {path.parent}; {BUILD_HINT}")
+        raise LlamaCppMissing(f"{name} not found in {path.parent}; build it with `make {build.make_target}`")
     return path
 
 
@@ -69,15 +81,48 @@ def kv_cache_report(log: str) -> KVCacheReport:
     return KVCacheReport(float(mib), int(cells), int(layers), k_type, float(k_mib), v_type, float(v_mib))
 
 
-def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256) -> tuple[np.ndarray, str]:
-    """Logits [len(tokens), vocab] from llama.cpp (f32 KV cache, one thread) and its log.
+def llama_logits(gguf_path: str | Path, tokens: list[int], mode: str = "prefill", n_ctx: int = 256,
+                 build: LlamaBuild = MAINLINE, mla: int = 3, flash_attn: bool = True,
+                 cache_type: str = "f16") -> tuple[np.ndarray, str]:
+    """Logits [len(tokens), vocab] from llama.cpp (one thread) and its log (stdout and stderr).
 
-    prefill: one batch; decode: one token per llama_decode call (the cached path)."""
+    prefill: one batch; decode: one token per llama_decode call (the cached path); parallel: two
+    sequences of these tokens, their prompts (all but the last 8 tokens) decoded one after the other,
+    then their last 8 tokens together (parallel decode): logits [2, len(tokens), vocab]. Mainline: no
+    flash attention, an f32 KV cache. build=IK: ik_llama.cpp's MLA mode `mla`, flash attention and KV
+    cache type (f16, bf16, q8_0, f32, or "K,V"; on the CPU ik takes no f32 cache with flash attention
+    and no V cache but f16/bf16 without it)."""
+    modes = [mla, int(flash_attn), cache_type] if build == IK else []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.bin"
-        proc = _run([llama_cpp_tool("transmla-logits"), gguf_path, out, mode, n_ctx, *tokens])
+        proc = _run([llama_cpp_tool("transmla-logits", build), gguf_path, out, mode, n_ctx, *modes, *tokens])
         logits = np.fromfile(out, dtype=np.float32)
-    return logits.reshape(len(tokens), -1), proc.stderr
+    shape = (2, len(tokens), -1) if mode == "parallel" else (len(tokens), -1)
+    return logits.reshape(shape), proc.stdout + proc.stderr
+
+
+@dataclass
+class IKKVCacheReport:
+    """ik_llama.cpp's MLA line: `KV self size = ... MiB, c^KV (t): ... MiB, kv^T (t): ... MiB` (kv^T: the
+    transposed latent that -mla 1 without flash attention keeps, else `not used`), and its n_ctx."""
+
+    mib: float
+    cells: int
+    type: str
+    c_mib: float  # [k_rope; c] per token per layer
+    kv_t_mib: float  # 0 when not used
+
+
+_IK_KV_LINE = re.compile(r"KV self size += +([\d.]+) MiB, c\^KV \((\w+)\): +([\d.]+) MiB, kv\^T(?: \((\w+)\): +([\d.]+) MiB|: not used)")
+_IK_N_CTX = re.compile(r"llama_init_from_model: n_ctx += (\d+)")
+
+
+def ik_kv_cache_report(log: str) -> IKKVCacheReport:
+    match, n_ctx = _IK_KV_LINE.search(log), _IK_N_CTX.search(log)
+    if match is None or n_ctx is None:
+        raise ValueError("no MLA `KV self size` line or n_ctx in ik_llama.cpp's log")
+    mib, kv_type, c_mib, _, kv_t_mib = match.groups()
+    return IKKVCacheReport(float(mib), int(n_ctx.group(1)), kv_type, float(c_mib), float(kv_t_mib or 0))
 
 
 def llama_tokenize(gguf_path: str | Path, text: str) -> list[int]:
@@ -114,3 +159,46 @@ def llama_bench(gguf_paths: list[str | Path], depths: list[int], n_gen: int, rep
     args += ["-p", "0", "-n", n_gen, "-d", ",".join(map(str, depths)), "-r", reps, "-t", threads,
              "-fa", "on" if flash_attn else "off", "-o", "json"]
     return json.loads(_run(args).stdout)
+
+
+def ik_llama_bench(gguf_path: str | Path, depths: list[int], n_gen: int, reps: int, threads: int, mla: int = 3,
+                   flash_attn: bool = True, cache_type: str = "f16", n_prompt: int = 0) -> list[dict]:
+    """ik_llama.cpp's llama-bench: decode after a prompt of each depth (`-gp DEPTH,n_gen`; depth 0 is
+    `-n n_gen`) and, with n_prompt, prompt speed (`-p`), in MLA mode `mla`, one JSON record per row:
+    n_depth, n_prompt, n_gen and samples_ts (tokens/s of each repetition)."""
+    args: list[str | Path] = [llama_cpp_tool("llama-bench", IK), "-m", gguf_path, "-p", n_prompt, "-n", 0,
+                              "-r", reps, "-t", threads, "-mla", mla, "-fa", int(flash_attn),
+                              "-ctk", cache_type, "-ctv", cache_type, "-o", "json"]
+    for depth in depths:
+        args += ["-n", n_gen] if depth == 0 else ["-gp", f"{depth},{n_gen}"]
+    stdout = _run(args).stdout  # ik also printf()s a few notes of its loader there
+    rows = []
+    for row in json.loads("\n".join(line for line in stdout.splitlines() if not line.startswith("="))):
+        if row["n_gen"] == 0 and row["n_prompt"] == 0:
+            continue
+        gp = row["n_gen"] > 0 and row["n_prompt"] > 0  # -gp: the prompt's tokens are not counted in the rate
+        tokens = row["n_gen"] if gp or row["n_prompt"] == 0 else row["n_prompt"]
+        rows.append({"n_depth": row["n_prompt"] if gp else 0, "n_prompt": 0 if gp else row["n_prompt"],
+                     "n_gen": row["n_gen"], "samples_ts": [1e9 * tokens / ns for ns in row["samples_ns"]],
+                     "mla_attn": mla, "flash_attn": flash_attn, "type_k": row.get("type_k")})
+    return rows
+
+
+_BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|"
+                          r"\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|", re.M)
+
+
+def ik_batched_bench(gguf_path: str | Path, depth: int, n_gen: int, parallel: list[int], threads: int, mla: int = 3,
+                     flash_attn: bool = True, cache_type: str = "f16") -> list[dict]:
+    """ik_llama.cpp's llama-batched-bench: `parallel` sequences, each with its own prompt of `depth`
+    tokens, then n_gen tokens each decoded together; one record per sequence count (S_TG: decode tokens/s
+    summed over the sequences)."""
+    n_ctx = max(parallel) * (depth + n_gen)
+    with tempfile.TemporaryDirectory() as tmp:  # it writes llama.log into its working directory
+        proc = _run([llama_cpp_tool("llama-batched-bench", IK), "-m", Path(gguf_path).resolve(), "-c", n_ctx, "-b", 2048,
+                     "-ub", 512, "-npp", depth, "-ntg", n_gen, "-npl", ",".join(map(str, parallel)), "-t", threads,
+                     "-mla", mla, "-fa", int(flash_attn), "-ctk", cache_type, "-ctv", cache_type], cwd=tmp)
+    return [{"depth": int(pp), "n_gen": int(tg), "sequences": int(b), "n_kv": int(kv), "prompt_s": float(t_pp),
+             "prompt_tps": float(s_pp), "decode_s": float(t_tg), "decode_tps": float(s_tg), "mla_attn": mla,
+             "flash_attn": flash_attn}
+            for pp, tg, b, kv, t_pp, s_pp, t_tg, s_tg in _BATCHED_ROW.findall(proc.stdout + proc.stderr)]

@@ -1,4 +1,4 @@
-"""transmla export: a converted model written for other engines (DeepSeek-V3 folder, llama.cpp GGUF).
+"""transmla export: a converted model written for other engines (DeepSeek-V3 folder, llama.cpp / ik_llama.cpp GGUF).
 
 The formats are the export targets (export/targets.py); the export settings' flags are derived from
 ExportOptions (export/options.py)."""
@@ -21,10 +21,10 @@ Opt = typer.Option
 
 def export(
     model: Annotated[str, typer.Argument(help="A converted (native MLA) model folder.")],
-    output: Annotated[Path, typer.Argument(help="Output folder, or the .gguf file for --format gguf (written atomically; must not exist unless --force).")],
+    output: Annotated[Path, typer.Argument(help="Output folder, or the .gguf file for --format gguf / gguf-ik (written atomically; must not exist unless --force).")],
     format: Annotated[str, Opt("--format", help=formats_help())] = "deepseek",
-    gguf_type: Annotated[str, Opt("--type", help=f"gguf: weight type, {' | '.join(GGUF_TYPES)} (norms stay f32; the scaled latent rows never q8_0).")] = "f32",
-    tokenizer_pre: Annotated[str | None, Opt("--tokenizer-pre", help="gguf: llama.cpp's pre-tokenizer name (tokenizer.ggml.pre), when it cannot be read from tokenizer.json.")] = None,
+    gguf_type: Annotated[str, Opt("--type", help=f"gguf, gguf-ik: weight type, {' | '.join(GGUF_TYPES)} (norms stay f32; the scaled latent rows never q8_0).")] = "f32",
+    tokenizer_pre: Annotated[str | None, Opt("--tokenizer-pre", help="gguf, gguf-ik: llama.cpp's pre-tokenizer name (tokenizer.ggml.pre), when it cannot be read from tokenizer.json.")] = None,
     *,
     as_json: JsonFlag = False,
     settings: dict,

@@ -8,7 +8,7 @@ import typer
 
 from ..checkpoint.resolve import load_config
 from ..eval.kv import kv_summary
-from ..export.engines import engine_report
+from ..export.engines import engine_report, kernel_report
 from .common import JsonFlag, emit, pick_dtype
 
 
@@ -24,4 +24,5 @@ def inspect(
     if config.model_type == "deepseek_v3":  # an export: which engines load it, and why not
         for engine, why in engine_report(config.to_dict()).items():
             info[f"loads in {engine}"] = "yes" if why is None else f"no: {why}"
+    info.update(kernel_report(config))  # a converted model: which engine runs its attention fast, and why not
     emit({"model": model, **info}, as_json, "model")

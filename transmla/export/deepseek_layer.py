@@ -18,7 +18,8 @@ def interleave_rows(pair_order: list[int]) -> torch.Tensor:
     return torch.stack((p, p + half), dim=1).reshape(-1)  # [d_r]
 
 
-def norm_trick_scale(weight: torch.Tensor, bias: torch.Tensor | None, input_norm: torch.Tensor, rows: int) -> float:
+def norm_trick_scale(weight: torch.Tensor, bias: torch.Tensor | None, input_norm: torch.Tensor, rows: int,
+                     eps: float = LATENT_NORM_EPS) -> float:
     """The power of two s with s^2 * max mean(c^2) / eps <= NORM_TRICK_TOLERANCE, c = W x + b.
 
     weight [rows, D]; input_norm [D] the layer's input RMSNorm weight: |x|^2 <= D max(w^2).
@@ -28,7 +29,7 @@ def norm_trick_scale(weight: torch.Tensor, bias: torch.Tensor | None, input_norm
     sigma = float(torch.linalg.matrix_norm(weight.double(), ord=2)) if weight.numel() else 0.0
     c_norm = sigma * x_norm + (float(bias.double().norm()) if bias is not None else 0.0)
     bound = max(c_norm**2 / rows, 1e-30)  # >= mean(c^2) for every token
-    s = math.sqrt(NORM_TRICK_TOLERANCE * LATENT_NORM_EPS / bound)
+    s = math.sqrt(NORM_TRICK_TOLERANCE * eps / bound)
     return 2.0 ** math.floor(math.log2(s))
 
 

@@ -159,3 +159,67 @@ def engine_report(config: dict) -> dict[str, str | None]:
     """engine -> None when it loads this DeepSeek config exactly, else the reason it does not."""
     decided = source_report(config)  # what the source decides (router, rope), then each engine's own rules
     return {name: decided[name] or rule(config) for name, rule in _RULES.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Which engine runs an MLA shape's attention on a fast kernel (not only whether it loads it)
+# ---------------------------------------------------------------------------------------------
+
+# ik_llama.cpp's CPU flash attention kernels, (K, V) head widths (ggml/src/iqk/iqk_mul_mat.cpp,
+# iqk_flash_attn_impl, ik-llama-cpp-python 0.1.5), used with a mask and a cache length that is a
+# multiple of 32. In MLA mode 3 decode K = d_r + d_c (the rope key first) and V = d_c (a view of
+# the latent), and all heads are rows of one Q matrix against each cache block, so each cached row
+# is read once (iqk_flash_attn.cpp); other widths fall back to ggml's loop, which re-reads every row
+# once per head. Prompts of 128+ tokens decompress the cache and run it at (d_nope + d_r, d_v).
+IK_FLASH_WIDTHS = ((576, 512), (512, 512), (320, 256), (192, 128), (192, 192), (256, 256), (128, 128), (96, 96), (64, 64))
+FAST_MLA_SHAPES = "rope 64 with latent 128, 256 or 512"
+FAST_ENGINES = ("ik_llama.cpp flash MLA", "ik_llama.cpp prompts", "vLLM MLA", "llama.cpp")
+
+
+def fast_kernel_report(d_c: int, d_r: int, d_nope: int, d_v: int) -> dict[str, tuple[bool, str]]:
+    """engine -> (whether it runs this MLA shape's attention on a fast kernel, why or why not)."""
+    decode, prompt = (d_c + d_r, d_c), (d_nope + d_r, d_v)
+    widths = ", ".join(f"{k}/{v}" for k, v in IK_FLASH_WIDTHS)
+    ik = (decode in IK_FLASH_WIDTHS,
+          f"-mla 3 -fa 1 decode runs (K, V) = {decode[0]}/{decode[1]}: "
+          + ("a kernel reading each cached row once for all heads" if decode in IK_FLASH_WIDTHS else
+             f"no kernel (it has {widths}; MLA: {FAST_MLA_SHAPES}), so ggml's loop re-reads the latent per head; "
+             "-mla 1 -fa 0 (GEMM over all heads) shares it at any width"))
+    ik_prompt = (prompt in IK_FLASH_WIDTHS,
+                 f"prompts of 128+ tokens decompress the cache and run (K, V) = {prompt[0]}/{prompt[1]}: "
+                 + ("a kernel" if prompt in IK_FLASH_WIDTHS else "no kernel (ggml's generic loop)"))
+    width = d_c + d_r
+    vllm = (width in VLLM_MLA_WIDTHS,
+            f"latent + rope = {width}: " + ("FlashMLA, CUTLASS and CPU MLA backends" if width == 576 else
+                                           "the Triton MLA backend only" if width == 320 else
+                                           "no MLA backend takes it (320 or 576; --pad-latent pads to one)"))
+    mainline = (False, "its CPU flash attention runs each query head over the cache on its own (the latent is "
+                       "re-read per head); widths that are multiples of 64 only keep its f16 dot product vectorised")
+    return dict(zip(FAST_ENGINES, (ik, ik_prompt, vllm, mainline)))
+
+
+def kernel_report(config) -> dict[str, str]:
+    """For `inspect`: "fast kernel in ENGINE" -> "yes: ..." / "no: ..." for a converted model (native, its
+    transformers config) or a DeepSeek export; {} for other models. A native model whose rope cannot
+    be exported (per-layer frequencies) runs in none of these engines: that reason comes first."""
+    from ..mla.config import MLAConfig
+    from ..mla.model import is_mla_config
+
+    blocker = None
+    if is_mla_config(config):
+        from .deepseek_rope import shared_rope_grid, source_rope_parameters
+        from .errors import ExportError
+
+        mla = MLAConfig.from_dict(config.mla)
+        d_c, d_r, d_nope, d_v = mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim
+        cfg = config.to_dict()
+        try:
+            shared_rope_grid(mla, source_rope_parameters(cfg), int(cfg.get("max_position_embeddings", 4096)))
+        except ExportError as e:
+            blocker = f"not exportable: {e}"
+    elif getattr(config, "model_type", None) == "deepseek_v3":
+        d_c, d_r, d_nope, d_v = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    else:
+        return {}
+    return {f"fast kernel in {engine}": blocker and f"no: {blocker}" or f"{'yes' if fast else 'no'}: {why}"
+            for engine, (fast, why) in fast_kernel_report(d_c, d_r, d_nope, d_v).items()}

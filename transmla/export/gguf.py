@@ -19,23 +19,46 @@ and convert_hf_to_gguf.py (DeepseekV2Model) in the llama-cpp-python 0.3.36 sdist
 - No attention or MLP biases exist in the graph: refused. Neither is qk_nope_head_dim 0 (every
   key dim rotated, e.g. the lossless conversion): llama.cpp asserts at least one.
 
+ik_llama.cpp (the fork with MLA modes -mla 1/2/3 and CPU flash MLA) reads the same architecture
+with a stricter loader (src/llama-hparams.cpp, src/llama-load-tensors.cpp create_deepseek2_tensors
+and src/llama-build-context.cpp build_deepseek2 in the ik-llama-cpp-python 0.1.5 sdist); `IK`
+writes its conventions, `MAINLINE` llama.cpp's:
+
+- head_count_kv = n_head, key_length = d_nope + d_r, value_length = d_v (a file with
+  head_count_kv 1 is refused unless it is DeepSeek's own 576/512 with rope 64); kq_scale is
+  1/sqrt(key_length), rope dimension_count = d_r; the cache is still [k_rope; c] per token.
+- attn_kv_b whole ([H*(d_nope+d_v), d_c]: its prompt path decompresses the cache with it) and
+  attn_k_b/attn_v_b as 2-D matrices ([H*d_c, d_nope], [H*d_v, d_c]). ik would derive these two at load
+  (llm_prepare_mla), but that step's ggml context is sized from the tensors alone and overflows
+  (a crash in ggml_new_tensor) for small latents with many layers, e.g. 26 layers of latent 32.
+- Every layer count other than 26/27 (DeepSeek-V2-Lite's) needs attn_q_a/attn_q_a_norm/attn_q_b:
+  a plain q_proj W_q is written as q_a = s I (D x D), q_a_norm = sqrt(eps)/s, q_b = W_q, the
+  latent-norm trick of the DeepSeek export (deepseek_layer.norm_trick_scale): the norm returns
+  x / sqrt(1 + s^2 mean(x^2) / eps), a relative error <= 5e-10. A 26/27-layer model must have a
+  plain q_proj (and a 48-layer one with a 128256 vocabulary is refused: its hparams skip
+  q_lora_rank while its tensor loader expects q_a).
+- output.weight is required (tied embeddings are written untied), and so is expert_weights_scale
+  (written 1.0; a dense model has no experts).
+
 Weight types: f32, bf16 or q8_0 for matrices (norms are always f32). The latent rows of
-attn_kv_a_mqa are scaled by a tiny power of two (the latent-norm no-op of the DeepSeek export);
-Q8_0's fp16 block scales would underflow, so that tensor stays f32 (f32) or bf16 (otherwise).
-Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16.
+attn_kv_a_mqa and a norm-trick attn_q_a are scaled by a tiny power of two (the latent-norm no-op
+of the DeepSeek export); Q8_0's fp16 block scales would underflow, so those tensors stay f32 (f32)
+or bf16 (otherwise). Q8_0 needs rows of a multiple of 32 values; other matrices fall back to bf16.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
+from .deepseek_layer import norm_trick_scale
 from .errors import ExportError
 from .gguf_vocab import add_vocab
 
@@ -65,7 +88,24 @@ LAYER_TENSORS = {  # DeepseekV3ForCausalLM name after "model.layers.N." -> GGUF 
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-SCALED_LATENT = "attn_kv_a_mqa.weight"  # never Q8_0 (see the module notes)
+SCALED = ("attn_kv_a_mqa.weight", "attn_q_a.weight")  # tiny-scaled rows: never Q8_0 (see the module notes)
+
+
+@dataclass(frozen=True)
+class GGUFEngine:
+    """Which llama.cpp reads the deepseek2 file: the conventions of its loader (module notes)."""
+
+    name: str
+    heads_kv: bool  # head_count_kv = n_head, key/value_length = the per-head sizes (ik), else the cache widths
+    whole_kv_b: bool  # attn_kv_b as well (ik), beside attn_k_b/attn_v_b (ik: as 2-D matrices)
+    full_rank_q: bool  # a plain q_proj goes through attn_q_a/attn_q_a_norm/attn_q_b (ik, except 26/27 layers)
+    untie: bool  # output.weight always written
+
+
+MAINLINE = GGUFEngine("llama.cpp", heads_kv=False, whole_kv_b=False, full_rank_q=False, untie=False)
+IK = GGUFEngine("ik_llama.cpp", heads_kv=True, whole_kv_b=True, full_rank_q=True, untie=True)
+ENGINES = {e.name: e for e in (MAINLINE, IK)}
+IK_LITE_LAYERS = (26, 27)  # ik_llama.cpp loads these as DeepSeek-V2-Lite: a plain attn_q, no q_a
 
 
 @dataclass(frozen=True)
@@ -88,33 +128,40 @@ class DeepseekShape:
     max_positions: int
     tied_embeddings: bool
 
+    full_rank_q: bool = False  # a plain q_proj written as a full-rank norm-trick q_a path (IK)
+
+    @property
+    def q_rank_written(self) -> int:
+        """q_lora_rank in the file: the model's, the hidden size for a full-rank q_a path, else 0."""
+        return self.hidden_size if self.full_rank_q else self.q_lora_rank
+
     @property
     def cache_elements(self) -> int:
         """KV-cache values per token per layer in llama.cpp: the latent and the shared rope key."""
         return self.d_c + self.d_rope
 
 
-def deepseek_shape(config: dict) -> DeepseekShape:
-    """Check a DeepSeek-V3 config against what deepseek2 GGUF can hold; one-line ExportError otherwise."""
+def deepseek_shape(config: dict, engine: GGUFEngine = MAINLINE) -> DeepseekShape:
+    """Check a DeepSeek-V3 config against what `engine`'s deepseek2 GGUF can hold; one-line ExportError otherwise."""
     if config.get("model_type") not in ("deepseek_v3", "deepseek_v2"):
         raise ExportError(f"GGUF export expects a DeepSeek-V3 config, got model_type {config.get('model_type')!r}")
     layers = int(config["num_hidden_layers"])
     if int(config.get("first_k_dense_replace") or 0) < layers:
         raise ExportError("GGUF export: mixture-of-experts layers are not supported (dense models only)")
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ExportError("GGUF export: llama.cpp's deepseek2 has no attention or MLP biases (export with --drop-biases)")
+        raise ExportError(f"GGUF export: {engine.name}'s deepseek2 has no attention or MLP biases (export with --drop-biases)")
     if config.get("hidden_act", "silu") != "silu":
-        raise ExportError(f"GGUF export: llama.cpp's deepseek2 uses SiLU, not {config['hidden_act']!r}")
+        raise ExportError(f"GGUF export: {engine.name}'s deepseek2 uses SiLU, not {config['hidden_act']!r}")
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ExportError(f"GGUF export: {rope_type!r} RoPE scaling cannot be written for llama.cpp's deepseek2")
+        raise ExportError(f"GGUF export: {rope_type!r} RoPE scaling cannot be written for {engine.name}'s deepseek2")
     if int(config["qk_nope_head_dim"]) < 1:
-        raise ExportError("GGUF export: llama.cpp's deepseek2 needs at least one non-rope key dim per head (qk_nope_head_dim 0)")
+        raise ExportError(f"GGUF export: {engine.name}'s deepseek2 needs at least one non-rope key dim per head (qk_nope_head_dim 0)")
     heads = int(config["num_attention_heads"])
     if int(config.get("num_key_value_heads", heads)) != heads:
         raise ExportError("GGUF export expects num_key_value_heads == num_attention_heads (DeepSeek's MLA)")
-    return DeepseekShape(
+    shape = DeepseekShape(
         num_layers=layers,
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
@@ -131,28 +178,52 @@ def deepseek_shape(config: dict) -> DeepseekShape:
         max_positions=int(config.get("max_position_embeddings", 4096)),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
+    return _for_engine(shape, engine)
 
 
-def add_hparams(writer: gguf.GGUFWriter, shape: DeepseekShape, weight_type: str, name: str) -> None:
-    """The deepseek2 keys llama.cpp reads (see the module notes for which are required)."""
+def _for_engine(shape: DeepseekShape, engine: GGUFEngine) -> DeepseekShape:
+    """The shape as `engine` reads it (tied embeddings untied, a full-rank q_a path), or its refusal."""
+    if engine.untie:
+        shape = replace(shape, tied_embeddings=False)
+    if not engine.full_rank_q:
+        return shape
+    lite = shape.num_layers in IK_LITE_LAYERS
+    if lite and shape.q_lora_rank:
+        raise ExportError(f"{engine.name} loads every {shape.num_layers}-layer deepseek2 as DeepSeek-V2-Lite, "
+                          "with a plain query projection: a query low rank (q_lora_rank) cannot be written")
+    if shape.num_layers == 48 and shape.vocab_size == 128256:
+        raise ExportError(f"{engine.name} reads no q_lora_rank for a 48-layer deepseek2 with a 128256-token "
+                          "vocabulary but loads its query as q_a/q_b: no query layout loads")
+    return replace(shape, full_rank_q=not lite and not shape.q_lora_rank)
+
+
+def add_hparams(writer: gguf.GGUFWriter, shape: DeepseekShape, weight_type: str, name: str,
+                engine: GGUFEngine = MAINLINE) -> None:
+    """The deepseek2 keys `engine` reads (see the module notes for which are required)."""
     writer.add_name(name)
     writer.add_block_count(shape.num_layers)
     writer.add_context_length(shape.max_positions)
     writer.add_embedding_length(shape.hidden_size)
     writer.add_feed_forward_length(shape.intermediate_size)
     writer.add_head_count(shape.num_heads)
-    writer.add_head_count_kv(1)  # absorbed MLA is MQA over the latent
+    writer.add_head_count_kv(shape.num_heads if engine.heads_kv else 1)  # mainline: absorbed MLA is MQA over the latent
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_rope_dimension_count(shape.d_rope)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(shape.vocab_size)
     writer.add_leading_dense_block_count(shape.num_layers)
-    writer.add_q_lora_rank(shape.q_lora_rank)
+    writer.add_q_lora_rank(shape.q_rank_written)
     writer.add_kv_lora_rank(shape.d_c)
-    writer.add_key_length(shape.d_c + shape.d_rope)
-    writer.add_value_length(shape.d_c)
-    writer.add_key_length_mla(shape.d_nope + shape.d_rope)
-    writer.add_value_length_mla(shape.d_v)
+    if engine.heads_kv:  # ik_llama.cpp: it also requires expert_weights_scale, even for a dense model
+        writer.add_key_length(shape.d_nope + shape.d_rope)
+        writer.add_value_length(shape.d_v)
+        writer.add_expert_weights_scale(1.0)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)  # unused (no experts); read, else guessed aloud
+    else:
+        writer.add_key_length(shape.d_c + shape.d_rope)
+        writer.add_value_length(shape.d_c)
+        writer.add_key_length_mla(shape.d_nope + shape.d_rope)
+        writer.add_value_length_mla(shape.d_v)
     writer.add_expert_feed_forward_length(shape.intermediate_size)
     writer.add_expert_shared_count(0)
     writer.add_file_type(FILE_TYPES[weight_type])
@@ -170,17 +241,35 @@ def interleave_rope_rows(weight: torch.Tensor, block: int, d_rope: int) -> torch
     return torch.cat([blocks[:, : block - d_rope], rope], dim=1).reshape(weight.shape)
 
 
+def full_rank_q(w_q: torch.Tensor, input_norm: torch.Tensor, eps: float) -> list[tuple[str, torch.Tensor]]:
+    """A plain query W_q [H*qk, D] as q_a = s I, q_a_norm = sqrt(eps)/s, q_b = W_q (module notes)."""
+    D = w_q.shape[1]
+    eye = torch.eye(D, dtype=torch.float64)  # [D, D]
+    s = norm_trick_scale(eye, None, input_norm, D, eps)
+    return [("attn_q_a.weight", eye * s), ("attn_q_a_norm.weight", torch.full((D,), math.sqrt(eps) / s)),
+            ("attn_q_b.weight", w_q)]
+
+
 def gguf_tensors(
-    tensors: Iterable[tuple[str, torch.Tensor]], shape: DeepseekShape
+    tensors: Iterable[tuple[str, torch.Tensor]], shape: DeepseekShape, engine: GGUFEngine = MAINLINE
 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """DeepseekV3 (name, tensor) -> deepseek2 GGUF (name, tensor), torch layout; refuses the rest."""
+    """DeepseekV3 (name, tensor) -> deepseek2 GGUF (name, tensor), torch layout; refuses the rest.
+
+    A full-rank q_a path needs its layer's input norm (the bound of the norm trick): a q_proj that
+    comes before it waits for it."""
     qk = shape.d_nope + shape.d_rope
+    input_norms: dict[str, torch.Tensor] = {}
+    waiting: dict[str, torch.Tensor] = {}  # block -> its q_proj, until the input norm arrives
+    written: set[str] = set()
+    embedding = None
     for name, tensor in tensors:
         if name.endswith(".bias"):
-            raise ExportError(f"GGUF export: llama.cpp's deepseek2 has no biases ({name})")
+            raise ExportError(f"GGUF export: {engine.name}'s deepseek2 has no biases ({name})")
         if name in GLOBAL_TENSORS:
             if name == "lm_head.weight" and shape.tied_embeddings:
                 continue
+            written.add(GLOBAL_TENSORS[name])
+            embedding = tensor if name == "model.embed_tokens.weight" else embedding
             yield GLOBAL_TENSORS[name], tensor
             continue
         parts = name.split(".", 3)
@@ -190,26 +279,45 @@ def gguf_tensors(
         if rel == "self_attn.kv_b_proj.weight":
             kv_b = tensor.reshape(shape.num_heads, shape.d_nope + shape.d_v, shape.d_c)  # [H, d_nope+d_v, d_c]
             k_b, v_b = kv_b.split([shape.d_nope, shape.d_v], dim=1)
-            yield block + "attn_k_b.weight", k_b.transpose(1, 2).contiguous()  # [H, d_c, d_nope]
-            yield block + "attn_v_b.weight", v_b.contiguous()  # [H, d_v, d_c]
+            k_b, v_b = k_b.transpose(1, 2).contiguous(), v_b.contiguous()  # [H, d_c, d_nope], [H, d_v, d_c]
+            if engine.whole_kv_b:  # ik: kv_b for its prompt path, k_b/v_b as [H*d_c, d_nope], [H*d_v, d_c]
+                yield block + "attn_kv_b.weight", tensor  # [H*(d_nope+d_v), d_c]
+                k_b, v_b = k_b.flatten(0, 1), v_b.flatten(0, 1)
+            yield block + "attn_k_b.weight", k_b
+            yield block + "attn_v_b.weight", v_b
             continue
         if not shape.rope_interleave:
             if rel in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
                 tensor = interleave_rope_rows(tensor, qk, shape.d_rope)  # [H*qk, in]
             elif rel == "self_attn.kv_a_proj_with_mqa.weight":
                 tensor = interleave_rope_rows(tensor, shape.d_c + shape.d_rope, shape.d_rope)  # [d_c+d_r, D]
+        if shape.full_rank_q and rel in ("self_attn.q_proj.weight", "input_layernorm.weight"):
+            if rel == "input_layernorm.weight":
+                input_norms[block] = tensor
+                yield block + LAYER_TENSORS[rel], tensor
+            else:
+                waiting[block] = tensor
+            if block in waiting and block in input_norms:
+                for q_name, q_tensor in full_rank_q(waiting.pop(block), input_norms[block], shape.rms_norm_eps):
+                    yield block + q_name, q_tensor
+            continue
         yield block + LAYER_TENSORS[rel], tensor
+    if waiting:
+        raise ExportError(f"GGUF export: no input norm for the query of {next(iter(waiting))}")
+    if not shape.tied_embeddings and "output.weight" not in written and embedding is not None:
+        yield "output.weight", embedding  # a tied checkpoint without lm_head, untied for the engine
 
 
-def expected_tensor_count(shape: DeepseekShape) -> int:
-    per_layer = 11 + (3 if shape.q_lora_rank else 1) - 1  # norms 2, q 1|3, kv_a 1, kv_norm 1, k_b, v_b, o, ffn 3
+def expected_tensor_count(shape: DeepseekShape, engine: GGUFEngine = MAINLINE) -> int:
+    # norms 2, q 1|3, kv_a 1, kv_norm 1, k_b + v_b (+ kv_b), o, ffn 3
+    per_layer = 8 + (3 if shape.q_rank_written else 1) + (3 if engine.whole_kv_b else 2)
     return 2 + (0 if shape.tied_embeddings else 1) + shape.num_layers * per_layer
 
 
 def tensor_type(gguf_name: str, array: np.ndarray, weight_type: str) -> gguf.GGMLQuantizationType:
     if array.ndim == 1:
         return Q.F32
-    if gguf_name.endswith(SCALED_LATENT):
+    if gguf_name.endswith(SCALED):
         return Q.F32 if weight_type == "f32" else Q.BF16
     qtype = MATRIX_TYPES[weight_type]
     if qtype == Q.Q8_0 and array.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] != 0:
@@ -225,6 +333,7 @@ class GGUFExportResult:
     tensors: int
     bytes: int
     cache_elements: int  # per token per layer, d_c + d_r
+    engine: str = MAINLINE.name
 
 
 def write_gguf(
@@ -235,26 +344,28 @@ def write_gguf(
     weight_type: str = "f32",
     tokenizer_pre: str | None = None,
     name: str | None = None,
+    engine: GGUFEngine = MAINLINE,
 ) -> GGUFExportResult:
-    """Stream (name, tensor) pairs of a DeepSeek-V3 model into `output` as a deepseek2 GGUF.
+    """Stream (name, tensor) pairs of a DeepSeek-V3 model into `output` as a deepseek2 GGUF for `engine`.
 
     Tensors are converted one at a time into a spooled temporary file; the GGUF appears at
     `output` only when everything was written (a refusal leaves nothing behind)."""
     if weight_type not in GGUF_TYPES:
         raise ExportError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {weight_type!r}")
-    shape = deepseek_shape(config)
+    shape = deepseek_shape(config, engine)
     output = Path(output)
     writer = gguf.GGUFWriter(None, ARCH, use_temp_file=True)
-    add_hparams(writer, shape, weight_type, name or output.stem)
+    add_hparams(writer, shape, weight_type, name or output.stem, engine)
     pre = add_vocab(writer, tokenizer_dir, shape.vocab_size, tokenizer_pre)
     count = 0
-    for gguf_name, tensor in gguf_tensors(tensors, shape):
+    for gguf_name, tensor in gguf_tensors(tensors, shape, engine):
         array = tensor.detach().to(torch.float32).cpu().numpy()
         qtype = tensor_type(gguf_name, array, weight_type)
         writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         count += 1
-    if count != expected_tensor_count(shape):
-        raise ExportError(f"GGUF export: got {count} tensors, a {shape.num_layers}-layer model has {expected_tensor_count(shape)}")
+    if count != expected_tensor_count(shape, engine):
+        raise ExportError(f"GGUF export: got {count} tensors, a {shape.num_layers}-layer model has "
+                          f"{expected_tensor_count(shape, engine)}")
     partial = output.with_name(output.name + ".partial")
     try:
         writer.write_header_to_file(path=partial)
@@ -264,7 +375,7 @@ def write_gguf(
         os.replace(partial, output)
     finally:
         partial.unlink(missing_ok=True)
-    return GGUFExportResult(output, weight_type, pre, count, output.stat().st_size, shape.cache_elements)
+    return GGUFExportResult(output, weight_type, pre, count, output.stat().st_size, shape.cache_elements, engine.name)
 
 
 def export_gguf(
@@ -275,9 +386,10 @@ def export_gguf(
     drop_biases: bool = False,
     force: bool = False,
     progress: bool = True,
+    engine: GGUFEngine = MAINLINE,
 ) -> GGUFExportResult:
     """A native converted model -> DeepSeek-V3 tensors (export/deepseek.py, one layer at a time) ->
-    a deepseek2 GGUF at `output`. The tokenizer is the model folder's."""
+    a deepseek2 GGUF for `engine` at `output`. The tokenizer is the model folder's."""
     from transformers import DeepseekV3Config
 
     from ..checkpoint.reader import SafetensorsReader
@@ -294,4 +406,5 @@ def export_gguf(
     config["tie_word_embeddings"] = bool(getattr(native, "tie_word_embeddings", False))
     with SafetensorsReader(model_dir) as reader:
         tensors = deepseek_tensors(reader, plan, progress)
-        return write_gguf(config, tensors, model_dir, output, weight_type, tokenizer_pre, name=model_dir.name)
+        return write_gguf(config, tensors, model_dir, output, weight_type, tokenizer_pre, name=model_dir.name,
+                          engine=engine)

@@ -44,21 +44,29 @@ def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[
     }
 
 
-def _write_gguf(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """Of the export settings only drop_biases and force apply to a GGUF file."""
-    from .gguf import export_gguf
+def _gguf_writer(engine_name: str, format_name: str) -> Callable[[str, Path, dict[str, Any]], dict[str, Any]]:
+    """A GGUF target for one llama.cpp (export/gguf.py's MAINLINE or IK conventions). Of the export
+    settings only drop_biases and force apply to a GGUF file."""
 
-    drop_biases = settings["drop_biases"]
-    gguf = export_gguf(resolve_model_dir(model), output, settings["weight_type"], settings["tokenizer_pre"],
-                       drop_biases=drop_biases, force=settings["force"])
-    return {"output": str(gguf.path), "format": "gguf (llama.cpp deepseek2)", "type": gguf.weight_type,
-            "tokenizer_pre": gguf.tokenizer_pre, "kv_elements_per_token_per_layer": gguf.cache_elements,
-            "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases}
+    def write(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
+        from .gguf import ENGINES, export_gguf
+
+        drop_biases = settings["drop_biases"]
+        gguf = export_gguf(resolve_model_dir(model), output, settings["weight_type"], settings["tokenizer_pre"],
+                           drop_biases=drop_biases, force=settings["force"], engine=ENGINES[engine_name])
+        return {"output": str(gguf.path), "format": format_name, "type": gguf.weight_type,
+                "tokenizer_pre": gguf.tokenizer_pre, "kv_elements_per_token_per_layer": gguf.cache_elements,
+                "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases}
+
+    return write
 
 
 TARGETS: dict[str, ExportTarget] = {t.name: t for t in (
     ExportTarget("deepseek", "a stock DeepseekV3ForCausalLM folder (transformers, vLLM, SGLang)", _write_deepseek),
-    ExportTarget("gguf", "a llama.cpp `deepseek2` GGUF file (llama.cpp, Ollama)", _write_gguf),
+    ExportTarget("gguf", "a llama.cpp `deepseek2` GGUF file (llama.cpp, Ollama)",
+                 _gguf_writer("llama.cpp", "gguf (llama.cpp deepseek2)")),
+    ExportTarget("gguf-ik", "an ik_llama.cpp `deepseek2` GGUF file (its MLA modes -mla 1/2/3, flash MLA)",
+                 _gguf_writer("ik_llama.cpp", "gguf-ik (ik_llama.cpp deepseek2)")),
 )}
 
 

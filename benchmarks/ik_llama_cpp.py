@@ -1,0 +1,251 @@
+"""Conversions against their source in ik_llama.cpp (the llama.cpp fork with MLA modes and CPU flash
+MLA, `make ik-llama-cpp`), the same weight type (q8_0) and KV type, in the engine shapes (rope 64,
+latent 128 or 256: the widths its flash attention has kernels for, `transmla inspect` says which).
+
+    .venv/bin/python -m benchmarks.ik_llama_cpp --phase export                      # sources, conversions, GGUFs
+    .venv/bin/python -m benchmarks.ik_llama_cpp --phase decode --threads 1,2        # llama-bench tg at depths
+    .venv/bin/python -m benchmarks.ik_llama_cpp --phase parallel --threads 2        # llama-batched-bench
+    .venv/bin/python -m benchmarks.ik_llama_cpp --phase prompt --threads 2          # llama-bench pp512, pp4096
+    .venv/bin/python -m benchmarks.ik_llama_cpp --phase report
+
+--models picks from MODELS (default: the built-in at 50%; qwen2.5-coder-1.5b needs `make qwen2`).
+Phases resume: results merge into benchmarks/results/ik_llama_cpp.json, each row with the machine and
+its load average before and after. Written, not yet run: the lead decides when heavy benchmarks run.
+
+Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
+to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
+OUT --method transmla -R d_c -r 64 --shared-rope --calib-samples 256` (speed does not depend on the
+calibration), then `transmla export OUT X.gguf --format gguf-ik --type q8_0` (and `--format gguf` for
+mainline llama.cpp with --engine mainline). Decode: llama-bench `-gp DEPTH,N` (tokens/s of N tokens
+decoded after a DEPTH-token prompt) at 4K, 16K and 32K; the conversion in -mla 3 -fa 1 (flash MLA) and
+-mla 1 -fa 0 (GEMM), the source with -fa 1 (-mla is ignored for it). Parallel: llama-batched-bench, 4
+and 8 sequences with their own prompt of 4K and 16K, N tokens each (S_TG). Prompt: llama-bench -p 512,
+4096. Ideal speedup = bytes read per decode step, source / conversion: weights (all but a gathered
+token embedding, and attn_kv_b, which only prompts of 128+ tokens read) + KV cache at that depth (d_c + d_r, or the source's 2 x KV heads x head_dim, per
+token per layer, at the cache type's bytes), times the sequences for parallel decode.
+
+Parallel decode with flash attention aborts in ik_llama.cpp 0.1.5 whenever its CPU kernels run
+(GGML_ASSERT(S > 0), iqk_fa_templates.h:1157): seen for the GQA source (64/64) and for conversions of
+192/128, 320/256 and 576/512 with 2 sequences that have their own prompts; 96/64, which has no kernel,
+runs. Its compute_helper (iqk_fa_templates.h ~1362-1366) decides how many K blocks to process from
+the mask of the last query row of each q step alone (the last block whose first cell that row sees);
+with several sequences in a batch that row belongs to another sequence than the other rows, so blocks
+they see are skipped (all of them here: S = 0; with 128-token prompts it does not abort but ignores
+every generated token, 2.6e-2 off: tests/test_export_gguf_ik.py test_ik_parallel_decode_equals_one_sequence,
+so flash rows that do run are not the same computation). The smallest fix: take that bound over every
+row of the q step (tools/ik_llama_cpp/parallel-flash-attention.patch, checked: with it both run right). Failed rows are recorded as such; `source no-fa` (-fa 0) and the conversion's -mla 1 -fa 0
+run, and the conversion's GEMM rows are compared with `source no-fa`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+from .common import RESULTS, TRANSMLA, load_json, log, machine, save_json
+from .gguf_llama_cpp import weight_bytes_per_step
+
+OUT_JSON = RESULTS / "ik_llama_cpp.json"
+OUT_MD = RESULTS / "ik_llama_cpp.md"
+# name -> (built-in source, latent d_c, rope d_r): SmolLM2 at 50% of its 384, the 1.5B at 37.5% and 62.5% of its 512
+MODELS = {
+    "smollm2-50": ("smollm2-135m", 128, 64),
+    "qwen1.5b-37.5": ("qwen2.5-coder-1.5b", 128, 64),
+    "qwen1.5b-62.5": ("qwen2.5-coder-1.5b", 256, 64),
+}
+MODES = {"flash-mla": (3, True), "gemm": (1, False)}  # conversion modes: (-mla, -fa)
+CACHE_BYTES = {"f16": 2, "q8_0": 34 / 32}
+
+
+def record(update: dict) -> None:
+    data = load_json(OUT_JSON)
+    for key, value in update.items():
+        data.setdefault(key, {}).update(value)
+    save_json(OUT_JSON, data, indent=2, newline=True)
+
+
+def paths(work: Path, name: str) -> dict[str, Path]:
+    source = MODELS[name][0]
+    return {"source": work / f"{source}-q8_0.gguf", "native": work / name, "ik": work / f"{name}-ik-q8_0.gguf",
+            "mainline": work / f"{name}-q8_0.gguf"}
+
+
+def phase_export(work: Path, names: list[str]) -> None:
+    from transmla.bench.llama_cpp import llama_cpp_tool
+    from transmla.checkpoint.builtin import builtin_gguf
+    from transmla.checkpoint.resolve import cache_root
+
+    work.mkdir(parents=True, exist_ok=True)
+    quantize = llama_cpp_tool("llama-quantize")  # mainline's: the source GGUF is a plain llama/qwen2 file
+    for name in names:
+        source, d_c, d_r = MODELS[name]
+        p = paths(work, name)
+        if not p["source"].exists():
+            f32 = work / f"{source}-f32.gguf"
+            subprocess.run([quantize, "--allow-requantize", builtin_gguf(source, cache_root()), f32, "F32"], check=True, capture_output=True)
+            subprocess.run([quantize, f32, p["source"], "Q8_0"], check=True, capture_output=True)
+            f32.unlink()
+        if not (p["native"] / "config.json").exists():
+            log(f"converting {name}")
+            subprocess.run([TRANSMLA, "convert", source, p["native"], "--method", "transmla", "-R", str(d_c), "-r", str(d_r),
+                            "--shared-rope", "--calib-samples", "256", "--force"], check=True)
+        for fmt, key in (("gguf-ik", "ik"), ("gguf", "mainline")):
+            if not p[key].exists():
+                subprocess.run([TRANSMLA, "export", p["native"], p[key], "--format", fmt, "--type", "q8_0"], check=True)
+
+
+def gguf_facts(path: Path) -> dict:
+    """Layers, cache elements per token per layer and bytes one decode step reads from the weights."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    value = lambda key: int(fields[key].parts[-1][0])  # noqa: E731
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    if arch == "deepseek2":
+        cache = value("deepseek2.attention.kv_lora_rank") + value("deepseek2.rope.dimension_count")
+    else:
+        cache = 2 * value(f"{arch}.attention.head_count_kv") * value(f"{arch}.embedding_length") // value(f"{arch}.attention.head_count")
+    # attn_kv_b (the gguf-ik file's, beside attn_k_b/attn_v_b) is read only by prompts of 128+ tokens
+    kv_b = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.name.endswith("attn_kv_b.weight"))
+    return {"layers": value(f"{arch}.block_count"), "cache_elements": cache,
+            "weight_bytes": weight_bytes_per_step(path) - kv_b}
+
+
+def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1) -> float:
+    """Bytes read per decode step, source / conversion (weights once, every sequence's cache)."""
+    b = CACHE_BYTES[cache_type]
+    read = lambda f: f["weight_bytes"] + sequences * f["cache_elements"] * f["layers"] * depth * b  # noqa: E731
+    return read(src) / read(ours)
+
+
+def runs(p: dict[str, Path], engine: str) -> list[tuple[str, Path, int, bool]]:
+    """(label, GGUF, -mla, -fa) of the source and of the conversion in each MLA mode."""
+    if engine == "mainline":  # `source` and `conversion` rows, as the ratios pair them
+        return [("source", p["source"], 0, True), ("conversion", p["mainline"], 0, True)]
+    return ([("source", p["source"], 0, True), ("source no-fa", p["source"], 0, False)]
+            + [(f"conversion {m}", p["ik"], *MODES[m]) for m in MODES])
+
+
+def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], cache_types: list[str], engine: str,
+                depths: list[int], parallel: list[int], prompts: list[int], n_gen: int, reps: int) -> None:
+    from transmla.bench.llama_cpp import IK, MAINLINE, ik_batched_bench, ik_llama_bench, llama_bench, llama_cpp_tool
+
+    if engine == "mainline" and phase != "decode":
+        raise SystemExit("--engine mainline runs the decode phase only (benchmarks/gguf_llama_cpp.py has the rest)")
+    llama_cpp_tool("llama-bench", MAINLINE if engine == "mainline" else IK)  # fail early when the build is missing
+    for name in names:
+        p = paths(work, name)
+        for t in threads:
+            for cache_type in cache_types:
+                for label, path, mla, fa in runs(p, engine):
+                    key = f"{engine}|{name}|{label}|{cache_type}|t{t}"
+                    before = os.getloadavg()
+                    log(f"{phase} {key} (load {before})")
+                    if phase == "parallel":  # flash MLA aborts here in the kernel shapes (module notes): recorded
+                        rows = {}
+                        for d in depths:
+                            try:
+                                rows[str(d)] = ik_batched_bench(path, d, n_gen, parallel, t, mla, fa, cache_type)
+                            except RuntimeError as e:
+                                lines = str(e).splitlines()
+                                rows[str(d)] = [{"error": next((x for x in lines if "GGML_ASSERT" in x), lines[-1])}]
+                    elif engine == "mainline":
+                        rows = {str(r["n_depth"]): r for r in llama_bench([path], depths, n_gen, reps, t, fa)}
+                    elif phase == "decode":
+                        rows = {str(r["n_depth"]): r for r in ik_llama_bench(path, depths, n_gen, reps, t, mla, fa, cache_type)}
+                    else:
+                        rows = {f"pp{r['n_prompt']}": r for n in prompts
+                                for r in ik_llama_bench(path, [], n_gen, reps, t, mla, fa, cache_type, n_prompt=n)}
+                    record({phase: {key: {"rows": rows, "gguf": gguf_facts(path), "load_before": before,
+                                          "load_after": os.getloadavg(), "machine": machine()}}})
+
+
+def phase_report() -> None:
+    data = load_json(OUT_JSON)
+    if not data:
+        log(f"no results in {OUT_JSON} yet")
+        return
+    lines = ["# Conversions against their source in ik_llama.cpp", "",
+             "Made by `python -m benchmarks.ik_llama_cpp` (its docstring gives the protocol); ik_llama.cpp as vendored "
+             "by ik-llama-cpp-python 0.1.5 (`make ik-llama-cpp`). q8_0 weights; machine and load per row in the JSON.", ""]
+    for phase in ("decode", "prompt"):
+        if phase not in data:
+            continue
+        lines += [f"## {phase}", "", "| engine | model | run | KV | threads | row | tokens/s median | vs source | ideal (bytes) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for key, entry in sorted(data[phase].items()):
+            engine, name, label, cache_type, t = key.split("|")
+            src = data[phase].get(f"{engine}|{name}|source|{cache_type}|{t}")
+            if label in ("conversion gemm", "source no-fa"):  # against the source without flash attention
+                src = data[phase].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
+            for row_key, row in entry["rows"].items():
+                tps = statistics.median(row["samples_ts"])
+                ratio = best = ""
+                if src and not label.startswith("source") and row_key in src["rows"]:
+                    ratio = f"{tps / statistics.median(src['rows'][row_key]['samples_ts']):.2f}x"
+                    if phase == "decode":
+                        best = f"{ideal(src['gguf'], entry['gguf'], int(row_key), cache_type):.2f}x"
+                lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {row_key} | {tps:.1f} | {ratio} | {best} |")
+        lines.append("")
+    if "parallel" in data:
+        lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
+                  "| model | run | KV | threads | depth | sequences | decode tokens/s | vs source | ideal (bytes) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for key, entry in sorted(data["parallel"].items()):
+            engine, name, label, cache_type, t = key.split("|")
+            src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
+            if label in ("conversion gemm", "source no-fa"):
+                src = data["parallel"].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
+            for depth, rows in entry["rows"].items():
+                for row in rows:
+                    if "error" in row:
+                        lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | failed: {row['error']} | | |")
+                        continue
+                    ratio = best = ""
+                    src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]), None)
+                    if src_row and not label.startswith("source"):
+                        ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x"
+                        best = f"{ideal(src['gguf'], entry['gguf'], int(depth), cache_type, row['sequences']):.2f}x"
+                    lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | "
+                                 f"{row['decode_tps']:.1f} | {ratio} | {best} |")
+        lines.append("")
+    OUT_MD.write_text("\n".join(lines))
+    print(OUT_MD.read_text())
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "bench-ik")
+    ap.add_argument("--phase", choices=["export", "decode", "parallel", "prompt", "report"], required=True)
+    ap.add_argument("--models", default="smollm2-50", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--engine", choices=["ik", "mainline"], default="ik", help="mainline: the same shapes in llama.cpp (`--format gguf`)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--cache-types", default="f16", help="KV cache types, e.g. f16,q8_0")
+    ap.add_argument("--depths", default="4096,16384,32768", help="decode: depths; parallel: prompt per sequence (4096,16384)")
+    ap.add_argument("--parallel", default="4,8")
+    ap.add_argument("--prompts", default="512,4096")
+    ap.add_argument("--n-gen", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]}; choose from {', '.join(MODELS)}")
+    if args.phase == "export":
+        phase_export(args.work, names)
+    elif args.phase != "report":
+        phase_bench(args.work, names, args.phase, ints(args.threads), args.cache_types.split(","), args.engine,
+                    ints(args.depths), ints(args.parallel), ints(args.prompts), args.n_gen, args.reps)
+    phase_report()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
