@@ -43,6 +43,11 @@ the source cache. Settings, each on top of the previous (the ablation):
   autocast, which is why the CLI runs fp32 there now; benchmarks/results/fit_cost.md). Both in fp32, one
   thread, the same CPU and run. Rule, written before it was measured: mb1024 becomes the default only if its
   dev32 at 25% in the exportable shape is at most 0.5% above fit-200-n1024's.
+  Outcome: rejected. fit-200-n1024 45.09 (the same as the bf16 row's 45.11: fp32 costs nothing in
+  quality), mb1024 46.49 (+3.1%; wiki-dev 36.24 against 35.36, lee-dev 59.63 against 57.49) for 828 s of
+  fit against 1509 s (one thread, a Xeon without AMX, the other core busy; the "fit s" column mixes
+  machines and threads: the rows before this round ran on a Xeon with AMX, two threads). 2048 tokens a
+  step stay the default.
 And "cli": `transmla convert` itself with every default (the calibration mix of benchmarks/calib_mix
 included: wiki=3,lee=1,code=2 since the session of 2026-11-25 09:20), timed with /usr/bin/time, then the
 final windows below. Earlier cli rows are kept under their own names, not rerun: cli@fixed-lr (before

@@ -10,9 +10,9 @@ is the attention output. Per layer, with X [N, T, D] the attention input of the 
    lam = RIDGE * mean(diag(Y^T Y)) (normal equations of ||Y W^T - Z||^2 + lam ||W - W0||^2);
 2. every projection (query, kv_a, the latent norm, kv_b, o_proj and their biases; the rope
    frequencies fixed) by `steps` Adam steps on ||Attn_mla(X) - Z||^2 / ||Z||^2 over random
-   minibatches of about MINIBATCH_TOKENS tokens; their forward and backward passes run under bf16
-   autocast where the device multiplies bf16 natively (the CLI's choice, dtypes.fast_bf16_matmul:
-   same dev perplexity as fp32 on the built-in model, a quarter to a third less time here);
+   minibatches of about FitSettings.minibatch_tokens tokens; their forward and backward passes run
+   under bf16 autocast where bf16 products pay (the CLI's choice, dtypes.fast_bf16_matmul: AMX CPUs and
+   GPUs; the same dev perplexity as fp32, benchmarks/results/output_fit.md and fit_cost.md);
 3. o_proj in closed form again (the optimum for the other projections as fitted).
 Of the method's layer, the layer after step 1 and the layer after step 3, the one with the lowest
 error on the fit sequences is kept. Adam's learning rate can make a layer worse where the
