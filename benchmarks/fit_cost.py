@@ -11,7 +11,7 @@ Stages (seconds summed over the layers, wall time of this process):
 - method: the method's own algebra per layer (RoRoPE, FreqFold, BKV-PCA);
 - fit targets: the source attention's input and output on the fit sequences (_source_attention_io);
 - fit Adam: the Adam steps (output_fit.adam_fit); fit closed forms: o_proj's ridge solutions and the
-  output errors (refit_o_proj, output_error);
+  output errors (refit_o_proj_errors, output_error);
 - the rest: reading weights, the source layers' forward on the calibration and fit streams (the
   propagation), writing the checkpoint.
 --variants fits layers 2 and 12 of the same conversion again under each FIT_VARIANTS setting (the same
@@ -84,7 +84,7 @@ class StageClock:
         self._wrap(pipeline.LayerStream, "_convert", "method", undo)
         self._wrap(calibrate, "_source_attention_io", "fit targets", undo)
         self._wrap(output_fit, "adam_fit", "fit Adam", undo)
-        self._wrap(output_fit, "refit_o_proj", "fit closed forms", undo)
+        self._wrap(output_fit, "refit_o_proj_errors", "fit closed forms", undo)
         self._wrap(output_fit, "output_error", "fit closed forms", undo)
         if variants:
             fit_layer = pipeline.fit_layer

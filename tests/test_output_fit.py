@@ -13,7 +13,7 @@ from transmla.convert import output_fit
 from transmla.convert.calibrate import mla_attention
 from transmla.convert.layers import source_layers
 from transmla.convert.options import ConvertOptions
-from transmla.convert.output_fit import FitSettings, fit_layer, output_error, refit_o_proj
+from transmla.convert.output_fit import FitSettings, fit_layer, output_error, refit_o_proj_errors
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
 from transmla.convert.registry import get_method
 from transmla.convert.replicate import replicate
@@ -109,7 +109,9 @@ def test_closed_form_o_proj_minimises_the_ridge_objective(tiny_factory, family, 
     target = z.reshape(-1, z.shape[-1]).double()  # [n, D]
     w0 = attn.o_proj.weight.double().clone()
     lam = output_fit.RIDGE * (y * y).sum(0).mean()
-    err = refit_o_proj(attn, x, z, pos, batch=5)
+    unfitted = output_error(attn, x, z, pos, batch=5)
+    before, err = refit_o_proj_errors(attn, x, z, pos, batch=5)
+    assert before == pytest.approx(unfitted, rel=1e-6)  # the error before, from the closed form's sums
     assert err == pytest.approx(output_error(attn, x, z, pos, batch=5), rel=1e-6)
     w = attn.o_proj.weight.double().clone().requires_grad_(True)
     objective = (y @ w.T - target).pow(2).sum() + lam * (w - w0).pow(2).sum()
