@@ -91,6 +91,7 @@ class StageClock:
 
             def fit_with_variants(config, layer, x, z, settings, index=0):
                 if index in VARIANT_LAYERS:
+                    counted = dict(self.seconds)  # the variants' own stages are not the conversion's
                     for name, tokens, bf16 in FIT_VARIANTS:
                         s = output_fit.FitSettings(steps=settings.steps, lr=settings.lr, seed=settings.seed,
                                                    minibatch_tokens=tokens, bf16=bf16)
@@ -98,7 +99,7 @@ class StageClock:
                         _, info = output_fit.fit_layer(config, layer, x, z, s, index)
                         self.variants.append({"layer": index, "setting": name, "seconds": time.perf_counter() - start,
                                               "output_error": info["output_error"], "fit_lr": info.get("fit_lr")})
-                    self.seconds = dict.fromkeys(STAGES, 0.0) | {"(variants, not counted)": 0.0}
+                    self.seconds = counted
                 return fit_layer(config, layer, x, z, settings, index)
 
             undo.append((pipeline, "fit_layer", fit_layer))
@@ -125,7 +126,7 @@ def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
         wall = time.perf_counter() - start
     if variants:  # the variant fits ran inside the wall time: the stages only count what the default ran
         wall -= sum(v["seconds"] for v in clock.variants)
-    stages = {k: round(v, 1) for k, v in clock.seconds.items() if not k.startswith("(")}
+    stages = {k: round(v, 1) for k, v in clock.seconds.items()}
     stages["the rest"] = round(wall - sum(stages.values()), 1)
     return {
         "command": "transmla " + " ".join(argv[:2] + ["OUT"] + argv[3:]),
@@ -171,6 +172,8 @@ def main(argv=None) -> int:
     if not args.report:
         row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
+        if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
+            row["variants"] = rows[key]["variants"]
         rows[key] = row
         save_json(OUT_JSON, rows)
         log(f"{row['command']}: {row['wall_seconds'] / 60:.1f} min {row['stages']}")
