@@ -303,6 +303,14 @@ def test_shared_rope_is_refused_where_a_method_cannot_share_one_grid(tiny_factor
         convert(str(src), tmp_path / "out", ConvertOptions.of(method="lossless", format="deepseek"), progress=False)
 
 
+def test_engine_shape_note_names_the_fast_engines_or_the_nearest_shape():
+    from transmla.export.engines import engine_shape_note
+
+    assert engine_shape_note(128, 64, 64, 64, 384) == "fast kernels in ik_llama.cpp flash MLA"
+    assert engine_shape_note(256, 64, 64, 64, 512) == "fast kernels in ik_llama.cpp flash MLA, vLLM MLA"
+    assert "the nearest: -R 128 -r 64, 50.0% of the source's cache" in engine_shape_note(64, 32, 64, 64, 384)
+
+
 def test_norm_trick_bound_holds_for_any_input():
     """The scale keeps s^2 mean(c^2) / eps tiny for every x the input norm can produce."""
     torch.manual_seed(0)
@@ -329,8 +337,11 @@ def test_cli_convert_format_deepseek_equals_export_of_shared_rope(cli, tmp_path)
     code, out, err = cli("convert", src, tmp_path / "one", *common, "--format", "deepseek", "--json")
     assert code == 0, err
     assert json.loads(out)["kv_elements_per_token_per_layer"] == 8
-    code, _, err = cli("convert", src, tmp_path / "mla", *common, "--shared-rope")
-    assert code == 0, err
+    code, out, err = cli("convert", src, tmp_path / "mla", *common, "--shared-rope", "--json")
+    assert code == 0, err  # the summary names the engine shape nearest to its cache: rope 64 + latent 128 here
+    assert "the nearest: -R 128 -r 64, 600.0% of the source's cache" in json.loads(out)["engines"]
+    code, out, err = cli("convert", src, tmp_path / "own", *common, "--per-layer-rope", "--json")
+    assert code == 0 and "engines" not in json.loads(out), err  # per-layer rope runs in no engine
     code, out, err = cli("export", tmp_path / "mla", tmp_path / "two", "--json")
     assert code == 0, err
     a, b = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))

@@ -14,6 +14,7 @@ import typer
 from ..convert.api import convert as run_convert
 from ..convert.options import COMMON_SCHEMAS, ConvertOptions
 from ..convert.registry import METHODS
+from ..export.engines import engine_shape_note
 from .common import JsonFlag, emit
 from .options import given, merge_flags, schema_flags, with_flags
 
@@ -49,6 +50,10 @@ def convert(
         "cache_ratio": result.cache_ratio,
         "files": len(result.files),
     }
+    mla = result.mla
+    if getattr(options.settings, "shared_rope", False) and not mla.qk_norm:  # a shape the engines load
+        summary["engines"] = engine_shape_note(mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim,
+                                               mla.v_head_dim, result.source_kv_elements_per_token_per_layer)
     emit(summary, as_json, "converted")
 
 

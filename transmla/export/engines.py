@@ -198,6 +198,20 @@ def fast_kernel_report(d_c: int, d_r: int, d_nope: int, d_v: int) -> dict[str, t
     return dict(zip(FAST_ENGINES, (ik, ik_prompt, vllm, mainline)))
 
 
+ENGINE_LATENTS = (128, 256, 512)  # with rope 64: the MLA shapes of FAST_MLA_SHAPES
+
+
+def engine_shape_note(d_c: int, d_r: int, d_nope: int, d_v: int, source_elements: int) -> str:
+    """For `convert`'s summary: the engines that run this shape's decode on a fast kernel, or the engine
+    shape nearest to its cache (d_c + d_r per token per layer) with its fraction of the source's."""
+    fast = [engine for engine, (ok, _) in fast_kernel_report(d_c, d_r, d_nope, d_v).items() if ok]
+    if fast:
+        return "fast kernels in " + ", ".join(fast)
+    R = min(ENGINE_LATENTS, key=lambda latent: abs(latent + 64 - (d_c + d_r)))
+    return (f"no engine's fast MLA kernel takes {d_c} + {d_r} ({FAST_MLA_SHAPES}); the nearest: -R {R} -r 64, "
+            f"{(R + 64) / source_elements:.1%} of the source's cache (`transmla inspect` says why)")
+
+
 def kernel_report(config) -> dict[str, str]:
     """For `inspect`: "fast kernel in ENGINE" -> "yes: ..." / "no: ..." for a converted model (native, its
     transformers config) or a DeepSeek export; {} for other models. A native model whose rope cannot
