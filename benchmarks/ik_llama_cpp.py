@@ -17,8 +17,9 @@ to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `
 OUT --method transmla -R d_c -r 64 --shared-rope --calib-samples 256` (speed does not depend on the
 calibration), then `transmla export OUT X.gguf --format gguf-ik --type q8_0` (and `--format gguf` for
 mainline llama.cpp with --engine mainline). Decode: llama-bench `-gp DEPTH,N` (tokens/s of N tokens
-decoded after a DEPTH-token prompt) at 4K, 16K and 32K; the conversion in -mla 3 -fa 1 (flash MLA) and
--mla 1 -fa 0 (GEMM), the source with -fa 1 (-mla is ignored for it). Parallel: llama-batched-bench, 4
+decoded after a DEPTH-token prompt) at 4K, 16K and 32K; the conversion in -mla 3 -fa 1 (flash MLA),
+-mla 1 -fa 0 (GEMM) and -mla 1 -fa 1 (flash-absorbed: decode as -mla 3, prompts absorbed), the source
+with -fa 1 and -fa 0 (-mla is ignored for it). Parallel: llama-batched-bench, 4
 and 8 sequences with their own prompt of 4K and 16K, N tokens each (S_TG). Prompt: llama-bench -p 512,
 4096. Ideal speedup = bytes read per decode step, source / conversion: weights (all but a gathered
 token embedding, and attn_kv_b, which only prompts of 128+ tokens read) + KV cache at that depth (d_c + d_r, or the source's 2 x KV heads x head_dim, per
@@ -56,7 +57,10 @@ MODELS = {
     "qwen1.5b-37.5": ("qwen2.5-coder-1.5b", 128, 64),
     "qwen1.5b-62.5": ("qwen2.5-coder-1.5b", 256, 64),
 }
-MODES = {"flash-mla": (3, True), "gemm": (1, False)}  # conversion modes: (-mla, -fa)
+# conversion modes: (-mla, -fa). Decode is the same computation under -mla 1 and 3 with flash attention;
+# prompts of 128+ tokens differ: -mla 3 decompresses the cache to per-head (d_nope + d_r, d_v) rows, -mla 1
+# keeps the absorbed product over the latent, (d_c + d_r, d_c) rows (src/llama-build-context.cpp ~7649).
+MODES = {"flash-mla": (3, True), "gemm": (1, False), "flash-absorbed": (1, True)}
 CACHE_BYTES = {"f16": 2, "q8_0": 34 / 32}
 
 
@@ -130,7 +134,8 @@ def runs(p: dict[str, Path], engine: str) -> list[tuple[str, Path, int, bool]]:
 
 
 def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], cache_types: list[str], engine: str,
-                depths: list[int], parallel: list[int], prompts: list[int], n_gen: int, reps: int) -> None:
+                depths: list[int], parallel: list[int], prompts: list[int], n_gen: int, reps: int,
+                only: list[str] | None = None) -> None:
     from transmla.bench.llama_cpp import IK, MAINLINE, ik_batched_bench, ik_llama_bench, llama_bench, llama_cpp_tool
 
     if engine == "mainline" and phase != "decode":
@@ -141,6 +146,8 @@ def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], ca
         for t in threads:
             for cache_type in cache_types:
                 for label, path, mla, fa in runs(p, engine):
+                    if only and label not in only:
+                        continue
                     key = f"{engine}|{name}|{label}|{cache_type}|t{t}"
                     before = os.getloadavg()
                     log(f"{phase} {key} (load {before})")
@@ -233,6 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="512,4096")
     ap.add_argument("--n-gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--runs", default="", help="comma-separated run labels to measure (default all), e.g. 'conversion flash-absorbed'")
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -242,7 +250,8 @@ def main(argv=None) -> int:
         phase_export(args.work, names)
     elif args.phase != "report":
         phase_bench(args.work, names, args.phase, ints(args.threads), args.cache_types.split(","), args.engine,
-                    ints(args.depths), ints(args.parallel), ints(args.prompts), args.n_gen, args.reps)
+                    ints(args.depths), ints(args.parallel), ints(args.prompts), args.n_gen, args.reps,
+                    [r for r in args.runs.split(",") if r])
     phase_report()
     return 0
 

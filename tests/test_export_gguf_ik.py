@@ -185,6 +185,11 @@ def test_fast_kernel_report_names_the_engine_shapes(shape, ik_decode, vllm):
     assert f"{shape[0] + shape[1]}/{shape[0]}" in report["ik_llama.cpp flash MLA"][1]
     assert report["vLLM MLA"][0] is vllm
     assert report["llama.cpp"][0] is False and "per head" in report["llama.cpp"][1]
+    # prompts: fast under -mla 1 -fa 1 (absorbed: the decode widths) wherever decode is, or under -mla 3
+    # where the decompressed (d_nope + d_r, d_v) has a kernel
+    prompt_pair = (shape[2] + shape[1], shape[3])
+    assert report["ik_llama.cpp prompts"][0] is (ik_decode or prompt_pair in ((192, 128), (128, 128), (64, 64)))
+    assert f"{prompt_pair[0]}/{prompt_pair[1]}" in report["ik_llama.cpp prompts"][1]
 
 
 @pytest.mark.parametrize("shared_rope", [True, False])

@@ -136,3 +136,32 @@ def test_config_rejects_odd_rope_dims():
     with pytest.raises(ValueError, match="even"):
         MLAConfig(num_heads=1, hidden_size=4, kv_lora_rank=2, qk_rope_head_dim=3, qk_nope_head_dim=1, v_head_dim=1,
                   softmax_scale=1.0, rope_inv_freq=[[1.0]])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_expanded_values_padded_to_key_width_change_nothing(monkeypatch, masked):
+    """From PAD_VALUES_MIN_ROWS key rows on, the CPU expanded path pads values (d_v 10) to the keys'
+    width (d_qk 14) for SDPA's fused kernel: outputs and gradients equal the unpadded path's."""
+    import transmla.mla.attention as attention
+
+    config = random_mla_config(bias=True)
+    config.decode = "expanded"
+    attn = MLAAttention(config, 0).train()
+    randomize(attn)
+    x = torch.randn(2, 40, 32)
+    mask = None
+    if masked:  # the second sequence left-padded by 7 tokens: a boolean [B, 1, T, S] mask
+        keep = torch.ones(2, 40, dtype=torch.bool)
+        keep[1, :7] = False
+        mask = torch.tril(torch.ones(40, 40, dtype=torch.bool))[None, None] & keep[:, None, None, :]
+    results = {}
+    for rows in (10**9, 16):  # never padded, padded
+        monkeypatch.setattr(attention, "PAD_VALUES_MIN_ROWS", rows)
+        attn.zero_grad()
+        out, _ = attn(x, attention_mask=mask, position_ids=torch.arange(40)[None])
+        out[:, 8:].pow(2).sum().backward()  # the rows every mask leaves whole
+        results[rows] = (out[:, 8:].detach(), [p.grad.clone() for p in attn.parameters()])
+    (out_a, grads_a), (out_b, grads_b) = results.values()
+    torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
+    for ga, gb in zip(grads_a, grads_b):  # fp32 sums in another order: relative to each gradient's size
+        assert float((gb - ga).norm() / ga.norm()) < 1e-5

@@ -170,7 +170,8 @@ def engine_report(config: dict) -> dict[str, str | None]:
 # multiple of 32. In MLA mode 3 decode K = d_r + d_c (the rope key first) and V = d_c (a view of
 # the latent), and all heads are rows of one Q matrix against each cache block, so each cached row
 # is read once (iqk_flash_attn.cpp); other widths fall back to ggml's loop, which re-reads every row
-# once per head. Prompts of 128+ tokens decompress the cache and run it at (d_nope + d_r, d_v).
+# once per head. Prompts of 128+ tokens decompress the cache and run it at (d_nope + d_r, d_v) in mode 3
+# and stay absorbed, at the decode widths, in mode 1 with flash attention.
 IK_FLASH_WIDTHS = ((576, 512), (512, 512), (320, 256), (192, 128), (192, 192), (256, 256), (128, 128), (96, 96), (64, 64))
 FAST_MLA_SHAPES = "rope 64 with latent 128, 256 or 512"
 FAST_ENGINES = ("ik_llama.cpp flash MLA", "ik_llama.cpp prompts", "vLLM MLA", "llama.cpp")
@@ -185,9 +186,12 @@ def fast_kernel_report(d_c: int, d_r: int, d_nope: int, d_v: int) -> dict[str, t
           + ("a kernel reading each cached row once for all heads" if decode in IK_FLASH_WIDTHS else
              f"no kernel (it has {widths}; MLA: {FAST_MLA_SHAPES}), so ggml's loop re-reads the latent per head; "
              "-mla 1 -fa 0 (GEMM over all heads) shares it at any width"))
-    ik_prompt = (prompt in IK_FLASH_WIDTHS,
-                 f"prompts of 128+ tokens decompress the cache and run (K, V) = {prompt[0]}/{prompt[1]}: "
-                 + ("a kernel" if prompt in IK_FLASH_WIDTHS else "no kernel (ggml's generic loop)"))
+    # -mla 1 -fa 1 keeps prompts absorbed too: the decode widths (src/llama-build-context.cpp ~7649)
+    absorbed = "a kernel" if decode in IK_FLASH_WIDTHS else "no kernel"
+    ik_prompt = (prompt in IK_FLASH_WIDTHS or decode in IK_FLASH_WIDTHS,
+                 f"prompts of 128+ tokens in -mla 3 -fa 1 decompress the cache and run (K, V) = {prompt[0]}/{prompt[1]}: "
+                 + ("a kernel" if prompt in IK_FLASH_WIDTHS else "no kernel (ggml's generic loop)")
+                 + f"; in -mla 1 -fa 1 they stay absorbed, {decode[0]}/{decode[1]}: {absorbed}")
     width = d_c + d_r
     vllm = (width in VLLM_MLA_WIDTHS,
             f"latent + rope = {width}: " + ("FlashMLA, CUTLASS and CPU MLA backends" if width == 576 else

@@ -31,6 +31,13 @@ from .latent_cache import cached_rows
 from .window import sliding_window
 
 
+# PyTorch's fused CPU attention (the flash kernel, with its backward) takes values only as wide as the
+# keys; narrower values run the unfused math path, which materialises every [T, S] score. From this many
+# key rows on, the expanded path pads the values with zeros to the keys' width (benchmarks/results/
+# fit_cost.md has the timing that set it).
+PAD_VALUES_MIN_ROWS = 512
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """weight * x / rms(x) over the last dim (the RMS in fp32), as the source families' RMSNorms;
     with an offset, (offset + weight) * x / rms(x) all in fp32, cast back last (Gemma's: offset 1)."""
@@ -237,11 +244,15 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rope[:, :, None].expand(-1, -1, c.num_heads, -1)), dim=-1)  # [B, S, H, d_qk]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, T, H, d_qk]
+        d_v = c.v_head_dim
+        pad = d_v < c.qk_head_dim and S >= PAD_VALUES_MIN_ROWS and latent.device.type == "cpu"
+        if pad:  # zero columns: the first d_v outputs are the same sums, in SDPA's fused CPU kernel
+            v = F.pad(v, (0, c.qk_head_dim - d_v))  # [B, S, H, d_qk]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             scale=c.softmax_scale,
-        )  # [B, H, T, d_v]
-        return out.transpose(1, 2)  # [B, T, H, d_v]
+        )  # [B, H, T, d_v] ([B, H, T, d_qk] padded)
+        return out.transpose(1, 2)[..., :d_v]  # [B, T, H, d_v]
 
     def _absorbed(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
         c = self.config
