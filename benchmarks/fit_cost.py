@@ -4,6 +4,7 @@ timed, on the built-in SmolLM2-135M, and the output fit's cost per layer under i
     .venv/bin/python -m benchmarks.fit_cost                 # the default 25% conversion (exportable shape), then the report
     .venv/bin/python -m benchmarks.fit_cost --budget 0.5 --per-layer-rope   # the native shape
     .venv/bin/python -m benchmarks.fit_cost --variants      # also the fit of layers 2 and 12 under each setting
+    .venv/bin/python -m benchmarks.fit_cost --attention     # expanded attention's values padded or not
     .venv/bin/python -m benchmarks.fit_cost --report        # only rewrite the table
 
 Stages (seconds summed over the layers, wall time of this process):
@@ -17,6 +18,10 @@ Stages (seconds summed over the layers, wall time of this process):
 --variants fits layers 2 and 12 of the same conversion again under each FIT_VARIANTS setting (the same
 x, z and start layer) and records seconds and the relative output error on the fit tokens.
 
+--attention times PyTorch's SDPA at the expanded path's shapes for SmolLM2 at 50% (9 heads, keys
+128 wide, values 64) against the same call with the values zero-padded to 128 (SDPA's fused CPU kernel
+takes only values as wide as the keys): forward and backward over 2048 tokens per call (the fit's
+minibatch), and the forward alone of one sequence; best of 3. It set mla/attention.PAD_VALUES_MIN_ROWS.
 The machine (CPU, whether it has AMX or AVX-512 BF16), its threads and load are recorded with every row.
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 """
@@ -136,7 +141,40 @@ def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
     }
 
 
+ATTENTION_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def sdpa_seconds(T: int, padded: bool, backward: bool, heads: int = 9, d_qk: int = 128, d_v: int = 64) -> float:
+    """Best of 3: causal SDPA over [B, heads, T, .] (B = 2048 // T sequences with backward, else 1)."""
+    import torch.nn.functional as F
+
+    B = max(1, 2048 // T) if backward else 1
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, heads, T, d_qk, generator=gen, requires_grad=backward) for _ in range(2))
+    v = torch.randn(B, heads, T, d_v, generator=gen, requires_grad=backward)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        with torch.set_grad_enabled(backward):
+            vv = F.pad(v, (0, d_qk - d_v)) if padded else v
+            out = F.scaled_dot_product_attention(q, k, vv, is_causal=True)[..., :d_v]
+            if backward:
+                out.pow(2).sum().backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def attention_rows() -> dict:
+    load = os.getloadavg()[0]
+    timings = {f"{T}|{mode}": {"plain": sdpa_seconds(T, False, mode == "fwd+bwd"), "padded": sdpa_seconds(T, True, mode == "fwd+bwd")}
+               for T in ATTENTION_LENGTHS for mode in ("fwd+bwd", "fwd")}
+    return {"timings": timings, "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+                                                        "load_before": load, "load_after": os.getloadavg()[0]}}
+
+
 def report(rows: dict) -> str:
+    attention = {k: r for k, r in rows.items() if k.startswith("attention|")}
+    rows = {k: r for k, r in rows.items() if k not in attention}
     lines = ["# Where a conversion's time goes (SmolLM2-135M, TransMLA, the CLI's defaults)", "",
              "Made by `python -m benchmarks.fit_cost` (stages in its docstring). Seconds are wall time of the",
              "conversion process; threads and load as recorded.", "",
@@ -157,6 +195,17 @@ def report(rows: dict) -> str:
             m = rows[key]["machine"]
             lines.append(f"| {m.get('cpu', m.get('machine'))} ({'yes' if m['cpu_flags']['amx'] else 'no'}) | {v['layer']} | "
                          f"{v['setting']} | {v['seconds']:.1f} | {v['output_error'][0]:.4f} -> {v['output_error'][1]:.4f} | {v['fit_lr']} |")
+    for key, r in attention.items():
+        m = r["machine"]
+        lines += ["", "## Expanded attention: values as they are or zero-padded to the keys' width (`--attention`)", "",
+                  f"SDPA, 9 heads, keys 128, values 64, causal; fwd+bwd over 2048 tokens per call, fwd of one sequence; "
+                  f"best of 3 s. {m.get('cpu', m.get('machine'))}, {m['threads']} thread(s), load {m['load_before']:.1f}-"
+                  f"{m['load_after']:.1f}.", "",
+                  "| tokens per sequence | fwd+bwd plain | fwd+bwd padded | fwd plain | fwd padded |", "|---|---|---|---|---|"]
+        for T in ATTENTION_LENGTHS:
+            t = r["timings"]
+            lines.append(f"| {T} | {t[f'{T}|fwd+bwd']['plain']:.3f} | {t[f'{T}|fwd+bwd']['padded']:.3f} | "
+                         f"{t[f'{T}|fwd']['plain']:.4f} | {t[f'{T}|fwd']['padded']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -165,11 +214,16 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--per-layer-rope", action="store_true", help="the native shape (default: the CLI's exportable one)")
     parser.add_argument("--variants", action="store_true", help="also fit layers 2 and 12 under each FIT_VARIANTS setting")
+    parser.add_argument("--attention", action="store_true", help="only time SDPA with values padded or not")
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     parser.add_argument("--out", type=Path, default=Path(".cache/fit-cost"))
     args = parser.parse_args(argv)
     rows = load_json(OUT_JSON) if OUT_JSON.exists() else {}
-    if not args.report:
+    if args.attention:
+        row = attention_rows()
+        rows[f"attention|{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['machine']['threads']}"] = row
+        save_json(OUT_JSON, rows)
+    elif not args.report:
         row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
         if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
