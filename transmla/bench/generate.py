@@ -5,7 +5,7 @@ prompts of T tokens, then decode N tokens greedily one step at a time, feeding b
 (what ``generate()`` does), ``repeats`` times; min and median are kept. Each model runs the way
 it runs best here:
 - an MLA model with its own LatentCache (preallocated for T + N tokens, as ``generate()`` sizes
-  it) and the "auto" attention (absorbed, fused SDPA with one latent KV head on the CPU);
+  it; sliding-window layers bounded to about twice their window) and the "auto" attention (absorbed, fused SDPA with one latent KV head on the CPU);
 - a source model with each stock transformers cache in ``source_caches`` ("dynamic": the default
   DynamicCache; "static": a StaticCache of T + N tokens); the comparison uses the faster one.
 The cache is filled by a real prefill of random prompts (timed), or, with ``prefill=False``, by
@@ -13,7 +13,7 @@ random cache contents of the same size (only decode is timed: long contexts with
 prefill; decode cost does not depend on the cached values). A short untimed warm-up runs first.
 
 Each row holds the timings, the bytes the cache really held (must equal the formula
-``kv_bytes_per_token_per_layer * layers * (T + N) * B``), the bytes a decode step must read
+``kv_bytes_per_token_per_layer * layers * (T + N) * B`` without sliding-window layers; less with them), the bytes a decode step must read
 (weights + cache at context T) and, on CUDA, the peak memory. The MLA row gets the ratios to the
 best source row, including the ideal speedup: source bytes per step over MLA bytes per step.
 Pure library: no printing beyond optional progress lines on stderr.
@@ -117,10 +117,10 @@ def _new_cache(model, kind: str, capacity: int):
     """A fresh cache: "latent" (MLA), "dynamic" or "static" (stock transformers) for ``capacity`` tokens."""
     from transformers import DynamicCache, StaticCache
 
-    from ..mla.latent_cache import LatentCache
+    from ..mla.model import new_latent_cache
 
     if kind == "latent":
-        return LatentCache(model.config.num_hidden_layers, capacity)
+        return new_latent_cache(model, capacity)
     if kind == "dynamic":
         return DynamicCache(config=model.config)
     if kind == "static":

@@ -50,5 +50,6 @@ FAMILY = Family(
     softmax_scale=lambda config: config.query_pre_attn_scalar**-0.5,
     layer_window=layer_window,
     embed_scale=lambda config: config.hidden_size**0.5,
-    notes="QK-norm (1 + w), query_pre_attn_scalar, sliding-window layers: the latent cache masks each to its window",
+    notes="QK-norm (1 + w), query_pre_attn_scalar, sliding-window layers: each masked to its window, "
+          "its latent cache bounded to 2x the window",
 )

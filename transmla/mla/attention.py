@@ -16,7 +16,9 @@ reads [k~ | x] with k~ = k_norm(k_pre_proj x) per KV head: only how a cache row 
 not how it is read.
 Sliding windows (config.sliding_windows): a layer with a window drops the cached rows no query of
 the call can see and masks the rest to each query's window (window.py), in every path; one decode
-query then reads exactly its window's rows, so the CPU decode kernel runs unchanged.
+query then reads exactly its window's rows, so the CPU decode kernel runs unchanged. A LatentCache
+keeps only a sliding layer's last rows (latent_cache.py): the S rows a call gets are the last S
+tokens', and the mask's last S columns are theirs.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class MLAAttention(nn.Module):
         cos, sin = self._rope(position_ids.expand(B, -1), latent.dtype)  # [B, T, d_r]
         k_rope = k_rope * cos + rotate_half(k_rope) * sin
 
-        rows = None  # [B, S, d_c + d_r]: every cached token's [c | k_r]
+        rows = None  # [B, S, d_c + d_r]: the cached tokens' [c | k_r] (a sliding layer's last ones only)
         if past_key_values is not None:
             rows = cached_rows(past_key_values, self.layer_idx, latent, k_rope)
             latent, k_rope = rows[..., : c.kv_lora_rank], rows[..., c.kv_lora_rank :]  # [B, S, d_c], [B, S, d_r]
@@ -225,14 +227,15 @@ class MLAAttention(nn.Module):
     def _sdpa_mask(attention_mask, q_len: int, kv_len: int, device) -> torch.Tensor | None:
         """A boolean [B|1, 1, T, S] mask (True = attend), bottom-right causal when none is given;
         None for plain causal attention without a cache offset (SDPA's is_causal, which lets it
-        pick its flash / memory-efficient kernels)."""
+        pick its flash / memory-efficient kernels). A given mask's last S columns are the S rows: a
+        sliding layer's cache returns its last rows only, and its mask may start before them."""
         if attention_mask is None:
             if q_len == kv_len:
                 return None
             offset = kv_len - q_len
             q_pos = torch.arange(q_len, device=device)[:, None] + offset
             return (torch.arange(kv_len, device=device)[None, :] <= q_pos)[None, None]
-        mask = attention_mask[..., -q_len:, :kv_len]
+        mask = attention_mask[..., -q_len:, -kv_len:]  # [B|1, 1, T, S]
         if mask.dtype != torch.bool:  # additive float mask (eager): 0 keeps, -inf drops
             mask = mask == 0
         return mask

@@ -28,13 +28,19 @@ def _swap_attention(model) -> None:
         layer.self_attn = MLAAttention(mla, i)
 
 
+def new_latent_cache(model, capacity: int) -> LatentCache:
+    """A LatentCache for an MLA model, preallocated for `capacity` tokens, its sliding-window layers bounded."""
+    windows = MLAConfig.from_dict(model.config.mla).sliding_windows
+    return LatentCache(model.config.num_hidden_layers, capacity, windows=windows)
+
+
 def _swap_in_latent_cache(model, model_kwargs: dict, max_cache_length: int) -> None:
     """generate()'s default (dynamic) cache becomes a LatentCache preallocated for
     max_cache_length tokens; a cache the caller passed, or another cache_implementation, stays."""
     key = "cache" if "cache" in model_kwargs else "past_key_values"  # the name since transformers 5.24, and before
     cache = model_kwargs.get(key)
     if type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and not cache.offloading:
-        model_kwargs[key] = LatentCache(model.config.num_hidden_layers, max_cache_length)
+        model_kwargs[key] = new_latent_cache(model, max_cache_length)
 
 
 def _build_classes(family: Family) -> tuple[type, type]:

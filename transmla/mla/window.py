@@ -2,7 +2,8 @@
 
 A query at cache index i attends to the keys j with i - w < j <= i (transformers'
 sliding_window_causal: kv_idx > q_idx - w). The T queries of a call are the last T of the S cached
-rows (indices S - T .. S - 1), so no query sees a row before S - T - w + 1: those rows are dropped
+rows (indices S - T .. S - 1; on a bounded LatentCache the S rows are the last S tokens', and the
+indices count from the first of them), so no query sees a row before S - T - w + 1: those rows are dropped
 (the caller slices a view), and for one query (decode) the w rows left are exactly its window, so
 no mask is needed and the CPU decode kernel runs over them unchanged.
 """
