@@ -6,7 +6,9 @@ any work starts, with a one-line message naming the key (``load_recipe`` raises 
 
     model:      {path: CONVERTED_MLA_DIR}  or  {source: SRC, convert: {flat conversion settings}}
     data:       train/eval texts, sequence length, documents and packing
-    train:      trainable parameters, steps or a token budget, batch, accumulation, precision
+    train:      objective (lm | distill), trainable parameters, steps or a token budget, batch,
+                accumulation, precision
+    distill:    train.objective distill: the teacher (default model.source), temperature, alpha
     optimizer:  AdamW settings;  schedule: constant | cosine | linear with warmup
     eval:       every N steps on held-out text (transmla.eval.perplexity protocol)
     checkpoint: every N steps, how many to keep, resume
@@ -32,6 +34,7 @@ from ..convert.options import flat_fields
 __all__ = [
     "CheckpointSpec",
     "DataSpec",
+    "DistillSpec",
     "EvalSpec",
     "ModelSpec",
     "OptimizerSpec",
@@ -95,14 +98,19 @@ class DataSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    """What trains and for how long."""
+    """What trains, towards what, and for how long."""
 
+    # lm: the next-token NLL on the training text. distill: KL(teacher || student) on the same
+    # tokens, the teacher being the unconverted source model (the distill section).
+    objective: Literal["lm", "distill"] = "lm"
     trainable: Literal["all", "attention", "mla"] = "mla"  # mla: q_proj|q_a/q_b, kv_a_proj, kv_a_norm, kv_b_proj
     steps: int | None = Field(None, ge=1)  # optimizer steps, or:
     tokens: int | None = Field(None, ge=1)  # a training-token budget (rounded up to whole steps)
     micro_batch_size: int = Field(1, ge=1)  # sequences per forward pass (per process)
     grad_accum: int = Field(1, ge=1)  # forward passes per optimizer step
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast; trainable weights and AdamW state stay fp32
+    # bf16: autocast; trainable weights and AdamW state stay fp32. auto: bf16 where bf16 products
+    # pay on the device (a CUDA GPU with bf16, a CPU with AMX: dtypes.fast_bf16_matmul), else fp32.
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
     recompute_kv: bool = False  # MLA: recompute the K/V up-projection (and attention) in the backward pass
     device: Literal["auto", "cpu", "cuda"] = "auto"  # under `accelerate launch` the launcher decides
@@ -117,6 +125,14 @@ class TrainSpec(_Strict):
         if (self.steps is None) == (self.tokens is None):
             raise ValueError("give exactly one of train.steps or train.tokens")
         return self
+
+
+class DistillSpec(_Strict):
+    """train.objective distill: the student learns the teacher's next-token distribution."""
+
+    teacher: str | None = None  # a source model as model.source takes it; None: model.source itself
+    temperature: float = Field(1.0, gt=0)  # both distributions softened by it; the KL is scaled by T^2
+    alpha: float = Field(1.0, ge=0, le=1)  # loss = alpha * T^2 * KL + (1 - alpha) * NLL
 
 
 class OptimizerSpec(_Strict):
@@ -158,6 +174,7 @@ class Recipe(_Strict):
     model: ModelSpec
     data: DataSpec = DataSpec()
     train: TrainSpec
+    distill: DistillSpec = DistillSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     eval: EvalSpec = EvalSpec()
@@ -171,6 +188,20 @@ class Recipe(_Strict):
         if self.train.fsdp and self.checkpoint.every:
             raise ValueError("train.fsdp writes no checkpoints of its sharded state yet: set checkpoint.every to 0")
         return self
+
+    @model_validator(mode="after")
+    def _distill_settings(self) -> "Recipe":
+        if self.train.objective == "lm" and self.distill != DistillSpec():
+            raise ValueError("distill: its settings apply only with train.objective: distill")
+        if self.train.objective == "distill" and self.distill.teacher is None and self.model.source is None:
+            raise ValueError("distill.teacher: required with model.path (the source model the conversion came from)")
+        return self
+
+    def teacher(self) -> str | None:
+        """The model train.objective distill learns from: distill.teacher, else model.source."""
+        if self.train.objective != "distill":
+            return None
+        return self.distill.teacher or self.model.source
 
     def total_steps(self, world_size: int = 1) -> int:
         """Optimizer steps: train.steps, or the token budget over tokens per step."""

@@ -5,15 +5,16 @@
       converted/             the conversion, when the recipe names a source (reused if unchanged)
       checkpoints/step-N/    model, AdamW, schedule, RNG and trainer state (safetensors + JSON, no pickle)
       model/                 the fine-tuned model: native MLA format, loadable like any conversion
-      train_log.csv          loss, lr, grad norm, tokens, time per optimizer step
+      train_log.csv          loss (distill: and its kl, nll), lr, grad norm, tokens, time per optimizer step
       eval_log.csv           held-out perplexity per evaluation
       metrics.json           both logs and the summary;  curves.png  the two curves
 
 One optimizer step = grad_accum forward/backward passes of micro_batch_size packed sequences on
 every process. The loss is the mean next-token NLL over the step's scored tokens (labels that
-cross a document boundary are dropped, see data.py). The data order is a function of
-(seed, step), and a checkpoint holds everything else, so a resumed run repeats the losses of an
-uninterrupted one exactly (tested on the CPU).
+cross a document boundary are dropped, see data.py), or with train.objective distill the mean KL
+from the source model's distribution on the same tokens (distill.py; the teacher is not part of
+a checkpoint). The data order is a function of (seed, step), and a checkpoint holds everything
+else, so a resumed run repeats the losses of an uninterrupted one exactly (tested on the CPU).
 With train.fsdp the model is sharded over the processes (FSDP2, processes.shard_model).
 The pieces around the loop: converted_model (the model to train, converted on demand),
 checkpoints (trainer state, saving and resuming), processes (what the processes share, FSDP),
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.finite import require_finite_number
+from ..dtypes import fast_bf16_matmul
 from .checkpoints import (
     TrainerState,
     check_resume_layout,
@@ -50,13 +52,14 @@ from .data import (
     load_documents,
     pack_documents,
 )
+from .distill import distill_objective, load_teacher, scored_kl_sum
 from .held_out import held_out_ids, held_out_perplexity
 from .outputs import FinetuneResult, check_output_dir, save_model, write_logs
 from .processes import hardware, log_main, shard_model, sum_over_processes
 from .recipe import Recipe
 from .state import load_training_state
 
-__all__ = ["FinetuneResult", "run_finetune", "select_trainable", "TRAINABLE_PATTERNS", "lr_factor"]
+__all__ = ["FinetuneResult", "run_finetune", "resolve_precision", "select_trainable", "TRAINABLE_PATTERNS", "lr_factor"]
 
 # Which parameters train, by name. "mla": the projections the conversion created or changed
 # (query, latent down-projection with the shared rope key, latent norm, K/V up-projection).
@@ -106,14 +109,28 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def resolve_precision(recipe: Recipe) -> Recipe:
+    """The recipe with train.precision auto made fp32 or bf16 for the device the run will use."""
+    tr = recipe.train
+    if tr.precision != "auto":
+        return recipe
+    device = "cuda" if tr.device != "cpu" and torch.cuda.is_available() else "cpu"  # as Accelerator picks
+    precision = "bf16" if fast_bf16_matmul(device) else "fp32"
+    return recipe.model_copy(update={"train": tr.model_copy(update={"precision": precision})})
+
+
+def _load_dtype(recipe: Recipe) -> torch.dtype:
+    """The dtype models load in: bf16 under bf16 training (trainable weights then go to fp32)."""
+    return torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
+
+
 def _load_model(model_dir: Path, recipe: Recipe):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..mla.model import register
 
     register()
-    load_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_load_dtype(recipe), attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model.config.use_cache = False
     return model, tokenizer
@@ -135,6 +152,14 @@ def _prepare_model(model, recipe: Recipe) -> tuple[int, int]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return counts
+
+
+def _logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token logits [B, T, V] of a packed batch (block-diagonal mask, restarting positions)."""
+    return model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+        attention_mask=batch["attention_mask"], use_cache=False,
+    ).logits
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -165,6 +190,7 @@ def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: boo
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     threads = torch.get_num_threads()
+    recipe = resolve_precision(recipe)
     check_output_dir(recipe.output_dir, force)
     created = not recipe.output_dir.exists()
     try:
@@ -224,6 +250,7 @@ class Trainer:
         self.model_dir, self.converted = converted_dir(recipe, accelerator, progress)
         model, tokenizer = _load_model(self.model_dir, recipe)
         self.trainable, self.total = _prepare_model(model, recipe)
+        self.teacher = self._load_teacher(model.config.vocab_size)
         self.data = _training_data(recipe, tokenizer)
         self.eval_ids = held_out_ids(recipe, tokenizer)
         self.world = world = accelerator.num_processes
@@ -272,6 +299,17 @@ class Trainer:
         state.start_model = fingerprint  # a resumed run has been checked to share it
         self.train_wall = 0.0  # this run's training steps: seconds and tokens
         self.train_tokens = 0
+
+    def _load_teacher(self, vocab_size: int) -> torch.nn.Module | None:
+        """train.objective distill: the source model, on this process's device (the first process
+        loads it first, so a built-in model is unpacked once)."""
+        spec = self.recipe.teacher()
+        if spec is None:
+            return None
+        d = self.recipe.distill
+        log_main(self.accelerator, f"distilling from {spec} (temperature {d.temperature}, alpha {d.alpha})")
+        with self.accelerator.main_process_first():
+            return load_teacher(spec, _load_dtype(self.recipe), self.accelerator.device, vocab_size)
 
     def evaluate(self, windows: int | None, tag: str) -> dict | None:
         """Held-out perplexity on the first ``windows`` windows, logged by the main process."""
@@ -325,21 +363,16 @@ class Trainer:
         # gradients over the processes, so each one scales its sum by world / (all scored
         # tokens): the gradient is then the one a single process would get for the whole batch.
         scored = sum_over_processes(accelerator, sum(int((b["labels"] != IGNORE).sum()) for b in batches))
-        loss_sum = 0.0
+        sums: dict[str, float] = {}
         for a, batch in enumerate(batches):
             batch = {k: v.to(device) for k, v in batch.items()}
             sync = nullcontext() if a == A - 1 or tr.fsdp else accelerator.no_sync(model)
             with sync, accelerator.autocast():
-                logits = model(
-                    input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                    attention_mask=batch["attention_mask"], use_cache=False,
-                ).logits  # [B, T, V]
-                nll = F.cross_entropy(
-                    logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
-                )
-                accelerator.backward(nll * world / max(1, scored))
-            loss_sum += nll.item()
-        loss_sum = sum_over_processes(accelerator, loss_sum)
+                terms = self._loss_sums(batch)
+                accelerator.backward(self._objective(terms) * world / max(1, scored))
+            for name, value in terms.items():
+                sums[name] = sums.get(name, 0.0) + value.item()
+        means = {name: sum_over_processes(accelerator, value) / max(1, scored) for name, value in sums.items()}
         grad_norm = None
         if opt.grad_clip is not None:
             norm = accelerator.clip_grad_norm_(model.parameters(), opt.grad_clip)
@@ -354,17 +387,38 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.train_wall += dt
         self.train_tokens += step_tokens
-        loss = require_finite_number(loss_sum / max(1, scored), f"the training loss at step {state.step}")
+        loss = require_finite_number(self._objective(means), f"the training loss at step {state.step}")
+        distilled = means if self.teacher is not None else {}  # its terms: kl, and nll on the same tokens
         state.train_log.append({
-            "step": state.step, "tokens": state.tokens, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "step": state.step, "tokens": state.tokens, "loss": loss, **distilled, "lr": lr, "grad_norm": grad_norm,
             "seconds": dt, "epoch": round(self.sampler.epoch(state.step), 4),
         })
         if state.step % tr.log_every == 0 or state.step == 1:
             log_main(accelerator, (
-                f"step {state.step}/{self.total_steps} loss {loss:.4f} lr {lr:.3g} "
+                f"step {state.step}/{self.total_steps} loss {loss:.4f} "
+                + "".join(f"{name} {value:.4f} " for name, value in distilled.items())
+                + f"lr {lr:.3g} "
                 f"grad-norm {grad_norm if grad_norm is None else round(grad_norm, 3)} "
                 f"{self.train_tokens / self.train_wall:,.0f} tok/s"
             ))
+
+    def _loss_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss terms summed over the micro-batch's scored tokens: nll, and kl when distilling."""
+        logits = _logits(self.model, batch)  # [B, T, V]
+        labels = batch["labels"]  # [B, T]
+        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        terms = {"nll": nll}
+        if self.teacher is not None:
+            with torch.no_grad():
+                teacher_logits = _logits(self.teacher, batch)  # [B, T, V]
+            terms["kl"] = scored_kl_sum(logits, teacher_logits, labels, self.recipe.distill.temperature)
+        return terms
+
+    def _objective(self, terms: dict):
+        """The minimized loss from its terms (sums or means, tensors or numbers): linear in them."""
+        if self.teacher is None:
+            return terms["nll"]
+        return distill_objective(terms["kl"], terms["nll"], self.recipe.distill)
 
     def _save_checkpoint(self) -> Path:
         return save_checkpoint(self.accelerator, self.recipe, self.state, self.model, self.optimizer, self.scheduler)
