@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     cache = ResultCache(RESULTS / f"{STEM}.json")
     if not args.report:
         for role in args.only.split(","):
-            budget = MODELS[role]
-            spec = MODEL if budget is None else str(converted(budget, cache))
+            shape = MODELS[role]  # None for the source, else (budget, exportable)
+            spec = MODEL if shape is None else str(converted(*shape, cache))
             for task in TASKS:
                 key = f"{role}/{task}"
                 if key not in cache.results:
