@@ -33,6 +33,9 @@ The fit on longer sequences (variants rope-64+fit-512, rope-64+fit-1024, rope-64
 would replace, rope-64+fit, by the same rule, written before measuring: key NLL lower by at least 10%
 of the gap rope-64+fit leaves to the source, no fewer exact matches, dev32 at most 1% above; its
 conversion time is reported beside it (the fit's attention grows with the sequence length).
+Between two fit shapes that both pass, written after rope-64+fit-512's result and before
+rope-64+fit-1024's: the longer (costlier) one wins only if its key NLL is lower than the shorter one's by
+at least 25% of the gap the shorter leaves to the source, with no fewer exact matches.
 """
 
 from __future__ import annotations
