@@ -58,16 +58,19 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
 
 
 def fit_sequences(source_dir: Path, text: str, seed: int) -> torch.Tensor:
-    """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or as many
-    sequences of that length as a short text has (halving the count until they fit)."""
+    """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or what a short
+    text has: the count halved until they fit, then (one sequence left) the length, down to 16 tokens."""
     samples, seq_len = DEFAULT_FIT_CALIBRATION
     while True:
         try:
             return calibration_ids(source_dir, text, samples, seq_len, seed)
         except ValueError:
-            if samples == 1:
+            if samples > 1:
+                samples //= 2
+            elif seq_len > 16:
+                seq_len //= 2
+            else:
                 raise
-            samples //= 2
 
 
 class LayerStream:
