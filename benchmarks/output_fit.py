@@ -35,8 +35,9 @@ the source cache. Settings, each on top of the previous (the ablation):
   Outcome: accepted on dev32. 50%: 27.27 against 27.97 (-2.5%; wiki-dev 22.16 against 22.75, lee-dev
   33.55 against 34.39); 25%: 45.11 against 50.48 (-10.6%; 35.35 against 39.31, 57.56 against 64.82). The
   fit's error on its own sequences rose (0.040 against 0.031 at 50%, 0.127 against 0.104 at 25%): with 256
-  it had fitted them, not the layer. transmla.convert.output_fit.DEFAULT_FIT_CALIBRATION is (1024, 64)
-  since; the conversion time is in the cli rows.
+  it had fitted them, not the layer. transmla.convert.output_fit.DEFAULT_FIT_CALIBRATION was (1024, 64)
+  from then until issue 34 moved it to 64 x 1024 (retrieval_ladder); this benchmark keeps its 64-token
+  sequences (FIT_SHAPE) so its rows stay comparable; the conversion time is in the cli rows.
 - fit-200-n1024 and fit-200-n1024-mb1024 (session of 2026-11-26, 12:40; the fit-cost round of issue 36)
   ask whether Adam's steps should see 1024 tokens (16 sequences) instead of 2048: on a Xeon without AMX
   (AVX-512 BF16 only) a step of 1024 fp32 tokens took 21 s a layer against 33 s for 2048 (44 s under bf16
@@ -74,7 +75,7 @@ from pathlib import Path
 import torch
 
 from transmla.convert.calibrate import calibrated_layers
-from transmla.convert.output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, fit_layer
+from transmla.convert.output_fit import FitSettings, fit_layer
 from transmla.convert.transmla.method import DEFAULT_FIT_STEPS, shared_rope_plan
 from transmla.data.texts import load_text
 from transmla.dtypes import fast_bf16_matmul
@@ -90,6 +91,7 @@ BUDGETS = ("50%", "25%", "12.5%")
 SHAPES = ("export", "native")
 DEFAULT = f"fit-{DEFAULT_FIT_STEPS}"
 HELD_OUT_WINDOWS = 16
+FIT_SHAPE = (1024, 64)  # the fit's sequences here: the CLI's until issue 34 (module notes)
 
 
 # How the fit itself was set, on dev32 at 25% in the exportable shape (method alone: 114.29), by an
@@ -154,14 +156,14 @@ def fit_of(setting: str) -> FitSettings | None:
 
 
 def fit_samples(setting: str) -> int:
-    """The fit's sequences: DEFAULT_FIT_CALIBRATION's count, or N for a setting with the variant nN."""
+    """The fit's sequences: FIT_SHAPE's count, or N for a setting with the variant nN."""
     counts = [int(v[1:]) for v in setting.split("-")[1:] if v[:1] == "n" and v[1:].isdigit()]
-    return counts[0] if counts else DEFAULT_FIT_CALIBRATION[0]
+    return counts[0] if counts else FIT_SHAPE[0]
 
 
-def fit_ids(b: Bench, n: int = DEFAULT_FIT_CALIBRATION[0]) -> torch.Tensor:
-    """n (default 256) x 64 tokens of the wiki calibration part before the dev windows, seed 1."""
-    t = DEFAULT_FIT_CALIBRATION[1]
+def fit_ids(b: Bench, n: int = FIT_SHAPE[0]) -> torch.Tensor:
+    """n (default 1024) x 64 tokens of the wiki calibration part before the dev windows, seed 1."""
+    t = FIT_SHAPE[1]
     ids = tokenize_text(b.tok, load_text("wiki", "calib"))[: -DEV_WINDOWS * SEQ]
     chunks = ids[: ids.numel() // t * t].view(-1, t)
     pick = torch.randperm(chunks.shape[0], generator=torch.Generator().manual_seed(1))[:n].sort().values
@@ -177,7 +179,7 @@ def method_layers(b: Bench, shape: str, budget: str):
     return b.layers_original(plan, b.original_stats(*calib))[0]
 
 
-def fitted_layers(b: Bench, layers, fit: FitSettings, samples: int = DEFAULT_FIT_CALIBRATION[0]) -> tuple[list, list[dict]]:
+def fitted_layers(b: Bench, layers, fit: FitSettings, samples: int = FIT_SHAPE[0]) -> tuple[list, list[dict]]:
     """`layers` fitted layer by layer as `transmla convert` does (calibrated_layers with a fit_layer) on
     `samples` fit sequences, original propagation; the statistics stream is one sequence (unused: the
     layers are given)."""
@@ -273,7 +275,7 @@ def layer_cost(steps: int = DEFAULT_FIT_STEPS, bf16: bool = False) -> dict:
                                      **QWEN2_1P5B_LAYER)).save_pretrained(tmp)
         config = AutoConfig.from_pretrained(tmp)
         calib = torch.randint(0, 1000, (2048, 16), generator=torch.Generator().manual_seed(1))
-        fit_ids = torch.randint(0, 1000, DEFAULT_FIT_CALIBRATION, generator=torch.Generator().manual_seed(2))
+        fit_ids = torch.randint(0, 1000, FIT_SHAPE, generator=torch.Generator().manual_seed(2))
         out = {"threads": torch.get_num_threads(), "steps": steps, "bf16": bf16}
         for name, fit in (("convert_seconds", FitSettings(steps=0)),
                           ("convert_and_fit_seconds", FitSettings(steps=steps, bf16=bf16))):

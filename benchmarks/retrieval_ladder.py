@@ -80,8 +80,10 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                        {"pca_metric": "output"}, "rope-64 with the latent's PCA weighting value errors by W_o"),
     "rope-64-4k": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_steps": 0}, {"context": 4096},
                    "rope-64 with the rope components chosen for distances of a 4K window"),
-    "cli-50+fit": (OLD_50, {}, "cli-50 with the CLI's output fit"),
-    "rope-64+fit": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64}, {}, "rope-64 with the CLI's output fit"),
+    # the CLI's fit when these ran: 1024 x 64 (pinned: the CLI's default is now 64 x 1024)
+    "cli-50+fit": ({**OLD_50, "fit_shape": (1024, 64)}, {}, "cli-50 with the CLI's output fit (then on 1024 x 64 tokens)"),
+    "rope-64+fit": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (1024, 64)}, {},
+                    "rope-64 with the CLI's output fit (then on 1024 x 64 tokens)"),
     "cli-50+fit-long": ({**OLD_50, "fit_shape": (32, 2048)}, {},
                         "cli-50+fit with the fit on 32 sequences of 2048 tokens instead of 1024 of 64 (the same tokens)"),
     "rope-64+fit-long": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (32, 2048)}, {},

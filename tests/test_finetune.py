@@ -549,3 +549,16 @@ def test_distill_bf16_teacher_frozen(tiny, tmp_path, monkeypatch):
     assert result.completed and torch.isfinite(torch.tensor(_logged(tmp_path / "bf16", "kl"))).all()
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+
+
+def test_distill_refuses_a_teacher_windowed_below_the_sequences(tiny_factory):
+    """A 4-D document mask reaches a teacher's attention as is and its sliding window is then ignored:
+    a window shorter than data.seq_len is refused in one line, a longer one is taken."""
+    from transmla.finetune.distill import load_teacher
+
+    model, path = tiny_factory("mistral", sliding_window=8)
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match="sliding window of 8 tokens, shorter than data.seq_len 16"):
+        load_teacher(str(path), torch.float32, torch.device("cpu"), vocab, seq_len=16)
+    teacher = load_teacher(str(path), torch.float32, torch.device("cpu"), vocab, seq_len=8)
+    assert not any(p.requires_grad for p in teacher.parameters())

@@ -46,7 +46,7 @@ ERROR_NOISE = 1e-9
 # 64 sequences x 1024 tokens: the same tokens as the earlier 1024 x 64, but the fit sees attention over
 # distances up to 1024, which retrieval at length needs: chosen over 128 x 512 and 1024 x 64 on dev passkey
 # keys and dev32 perplexity by the rule written before measuring (benchmarks/results/retrieval_ladder.md,
-# rope-64+fit-1024), at a longer fit. 1024 x 64 had beaten 256 x 64 (benchmarks/results/output_fit.md).
+# rope-64+fit-1024), for a longer fit. 1024 x 64 had beaten 256 x 64 (benchmarks/results/output_fit.md).
 # The attention-sink token starts every sequence.
 DEFAULT_FIT_CALIBRATION = (64, 1024)
 

@@ -59,18 +59,24 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
 
 def fit_sequences(source_dir: Path, text: str, seed: int) -> torch.Tensor:
     """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or what a short
-    text has: the count halved until they fit, then (one sequence left) the length, down to 16 tokens."""
+    text has: the count halved until they fit (down to one per text of a mix), then the length, down
+    to 16 tokens; the first error when even that does not fit."""
+    from ..data.calib import calibration_mix
+
     samples, seq_len = DEFAULT_FIT_CALIBRATION
+    fewest = len(calibration_mix(text))
+    first_error = None
     while True:
         try:
             return calibration_ids(source_dir, text, samples, seq_len, seed)
-        except ValueError:
-            if samples > 1:
+        except ValueError as e:
+            first_error = first_error or e
+            if samples // 2 >= fewest:
                 samples //= 2
             elif seq_len > 16:
                 seq_len //= 2
             else:
-                raise
+                raise first_error from None
 
 
 class LayerStream:

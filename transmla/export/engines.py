@@ -182,7 +182,7 @@ def fast_kernel_report(d_c: int, d_r: int, d_nope: int, d_v: int) -> dict[str, t
     decode, prompt = (d_c + d_r, d_c), (d_nope + d_r, d_v)
     widths = ", ".join(f"{k}/{v}" for k, v in IK_FLASH_WIDTHS)
     ik = (decode in IK_FLASH_WIDTHS,
-          f"-mla 3 -fa 1 decode runs (K, V) = {decode[0]}/{decode[1]}: "
+          f"-mla 1|3 -fa 1 decode runs (K, V) = {decode[0]}/{decode[1]}: "
           + ("a kernel reading each cached row once for all heads" if decode in IK_FLASH_WIDTHS else
              f"no kernel (it has {widths}; MLA: {FAST_MLA_SHAPES}), so ggml's loop re-reads the latent per head; "
              "-mla 1 -fa 0 (GEMM over all heads) shares it at any width"))

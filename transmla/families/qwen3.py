@@ -2,13 +2,14 @@ from .base import Family, UnsupportedArchitectureError
 
 
 def refuse_sliding_layers(config) -> None:
-    """Qwen3 may run some layers with a sliding window (use_sliding_window); the latent cache keeps
-    every token, so such a model would attend further than its source."""
+    """Qwen3 may run some layers with a sliding window (use_sliding_window); the qwen3 family maps no
+    layer windows into the MLA config yet (gemma3's does), so such a model would attend further than
+    its source."""
     sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "sliding_attention"]
     if sliding:
         raise UnsupportedArchitectureError(
             f"qwen3 with sliding-window layers ({len(sliding)} of them, from layer {sliding[0]}) is not supported: "
-            "the latent cache has no window"
+            "the qwen3 family does not carry layer windows into the conversion yet"
         )
 
 

@@ -21,11 +21,19 @@ from .recipe import DistillSpec
 __all__ = ["distill_objective", "load_teacher", "scored_kl_sum", "token_kl"]
 
 
-def load_teacher(spec: str, dtype: torch.dtype, device: torch.device, vocab_size: int) -> torch.nn.Module:
-    """The source model ``spec`` (a folder, .gguf, hub id or built-in name), frozen, in eval mode."""
+def load_teacher(spec: str, dtype: torch.dtype, device: torch.device, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    """The source model ``spec`` (a folder, .gguf, hub id or built-in name), frozen, in eval mode.
+    A teacher with a sliding window shorter than the training sequences is refused: the trainer's
+    4-D document mask reaches its attention as is, which then ignores the window (transformers'
+    mask preprocessing passes a 4-D mask through), so it would not be the source's distribution."""
     from ..checkpoint.resolve import load_lm
 
     teacher = load_lm(spec, dtype=dtype, device=device)
+    config = teacher.config
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window and window < seq_len:
+        raise ValueError(f"distill.teacher {spec} attends within a sliding window of {window} tokens, shorter than "
+                         f"data.seq_len {seq_len}: set data.seq_len to at most {window}")
     if teacher.config.vocab_size != vocab_size:
         raise ValueError(
             f"distill.teacher {spec} has a vocabulary of {teacher.config.vocab_size} tokens, "

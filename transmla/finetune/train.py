@@ -309,7 +309,8 @@ class Trainer:
         d = self.recipe.distill
         log_main(self.accelerator, f"distilling from {spec} (temperature {d.temperature}, alpha {d.alpha})")
         with self.accelerator.main_process_first():
-            return load_teacher(spec, _load_dtype(self.recipe), self.accelerator.device, vocab_size)
+            return load_teacher(spec, _load_dtype(self.recipe), self.accelerator.device, vocab_size,
+                                self.recipe.data.seq_len)
 
     def evaluate(self, windows: int | None, tag: str) -> dict | None:
         """Held-out perplexity on the first ``windows`` windows, logged by the main process."""

@@ -208,9 +208,9 @@ class MLAAttention(nn.Module):
         """auto: absorbed at inference: decode; on the CPU also prefill, and a pass without a cache when
         the absorbed form does no more multiply-adds per query-key pair than the expanded one
         (W + d_c <= d_qk + d_v: e.g. every compressed SmolLM2 conversion at <= 25%), where the one-KV-head
-        form runs in the C prefill kernel or PyTorch's fused SDPA while the expanded one, with values
-        narrower than its keys, leaves SDPA for its unfused math path. Expanded for training and for
-        prefill on GPUs."""
+        form runs in the C prefill kernel or PyTorch's fused SDPA (the expanded one, with values
+        narrower than its keys, takes the fused kernel only padded, from PAD_VALUES_MIN_ROWS rows on).
+        Expanded for training and for prefill on GPUs."""
         mode = self.config.decode
         if mode != "auto":
             return mode == "absorbed"
@@ -248,7 +248,7 @@ class MLAAttention(nn.Module):
         k = torch.cat((k_nope, k_rope[:, :, None].expand(-1, -1, c.num_heads, -1)), dim=-1)  # [B, S, H, d_qk]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, T, H, d_qk]
         d_v = c.v_head_dim
-        pad = d_v < c.qk_head_dim and S >= PAD_VALUES_MIN_ROWS and latent.device.type == "cpu"
+        pad = d_v < c.qk_head_dim and S >= PAD_VALUES_MIN_ROWS and q_nope.shape[1] > 1 and latent.device.type == "cpu"
         if pad:  # zero columns: the first d_v outputs are the same sums, in SDPA's fused CPU kernel
             v = F.pad(v, (0, c.qk_head_dim - d_v))  # [B, S, H, d_qk]
         out = F.scaled_dot_product_attention(
