@@ -306,8 +306,9 @@ def test_shared_rope_is_refused_where_a_method_cannot_share_one_grid(tiny_factor
 def test_engine_shape_note_names_the_fast_engines_or_the_nearest_shape():
     from transmla.export.engines import engine_shape_note
 
-    assert engine_shape_note(128, 64, 64, 64, 384) == "fast kernels in ik_llama.cpp flash MLA"
-    assert engine_shape_note(256, 64, 64, 64, 512) == "fast kernels in ik_llama.cpp flash MLA, vLLM MLA"
+    # prompts too: -mla 1 -fa 1 keeps them absorbed, at the decode widths
+    assert engine_shape_note(128, 64, 64, 64, 384) == "fast kernels in ik_llama.cpp flash MLA, ik_llama.cpp prompts"
+    assert engine_shape_note(256, 64, 64, 64, 512) == "fast kernels in ik_llama.cpp flash MLA, ik_llama.cpp prompts, vLLM MLA"
     assert "the nearest: -R 128 -r 64, 50.0% of the source's cache" in engine_shape_note(64, 32, 64, 64, 384)
 
 
