@@ -407,7 +407,10 @@ class Trainer:
         """The loss terms summed over the micro-batch's scored tokens: nll, and kl when distilling."""
         logits = _logits(self.model, batch)  # [B, T, V]
         labels = batch["labels"]  # [B, T]
-        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        # pure distillation (alpha 1) only logs the NLL: no graph kept for it
+        logged_only = self.teacher is not None and self.recipe.distill.alpha == 1
+        nll_logits = logits.detach() if logged_only else logits  # [B, T, V]
+        nll = F.cross_entropy(nll_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         terms = {"nll": nll}
         if self.teacher is not None:
             with torch.no_grad():
