@@ -41,12 +41,13 @@ KEYS = 3
 SEED = 0
 DEFAULT_LENGTHS = "1K,2K,4K"
 CONTEXT = 8192  # SmolLM2's max_position_embeddings
-MODELS = {  # role -> (kv budget, exportable shape: --shared-rope, else --per-layer-rope); None: the source
+MODELS = {  # role -> (method, kv budget, exportable shape: --shared-rope, else --per-layer-rope); None: the source
     "source": None,
-    "transmla 50%": (0.5, False),
-    "transmla 50% exportable": (0.5, True),
-    "transmla 25%": (0.25, False),
-    "transmla 25% exportable": (0.25, True),  # the CLI's default 25% since issue 35
+    "transmla 50%": ("transmla", 0.5, False),
+    "transmla 50% exportable": ("transmla", 0.5, True),
+    "transmla 25%": ("transmla", 0.25, False),
+    "transmla 25% exportable": ("transmla", 0.25, True),  # the CLI's default 25% since issue 35
+    "mha2mla 25%": ("mha2mla", 0.25, None),  # the published method as our CLI makes it (training-free)
 }
 # Measured before the output fit moved from 1024 x 64 to 64 x 1024 tokens (issue 34): kept in the table,
 # never run again (today's CLI makes the conversions above instead).
@@ -58,31 +59,32 @@ def cpu_name() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
 
 
-def convert_command(budget: float, shared: bool, out: Path) -> list[str]:
-    return [str(TRANSMLA), "convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget),
-            "--shared-rope" if shared else "--per-layer-rope"]
+def convert_command(method: str, budget: float, shared: bool | None, out: Path) -> list[str]:
+    rope = [] if shared is None else ["--shared-rope" if shared else "--per-layer-rope"]
+    return [str(TRANSMLA), "convert", MODEL, str(out), "--method", method, "--kv-budget", str(budget), *rope]
 
 
-def _convert_key(budget: float, shared: bool) -> str:
-    return f"convert/{budget:g}" + ("-shared" if shared else "")
+def _convert_key(method: str, budget: float, shared: bool | None) -> str:
+    return "convert/" + ("" if method == "transmla" else f"{method}-") + f"{budget:g}" + ("-shared" if shared else "")
 
 
-def converted(budget: float, shared: bool, cache: ResultCache) -> Path:
+def converted(method: str, budget: float, shared: bool | None, cache: ResultCache) -> Path:
     """The CLI-default conversion at `budget`, made (timed) unless out/passkey holds it already."""
-    stem = f"transmla-{round(budget * 100)}" + ("-shared" if shared else "")
+    stem = f"{method}-{round(budget * 100)}" + ("-shared" if shared else "")
     out = OUT / stem
     log_file = OUT / f"{stem}.log"
-    key = _convert_key(budget, shared)
+    key = _convert_key(method, budget, shared)
+    command = convert_command(method, budget, shared, out)
     if not (out / "config.json").is_file():
         OUT.mkdir(parents=True, exist_ok=True)
-        log(f"converting at {budget:g}: {' '.join(convert_command(budget, shared, out))}")
-        cache.results[key] = timed(convert_command(budget, shared, out), log_file)
+        log(f"converting: {' '.join(command)}")
+        cache.results[key] = timed(command, log_file)
         cache.save()
     elif key not in cache.results and log_file.is_file() and "Elapsed (wall clock)" in log_file.read_text():
         cache.results[key] = measured(log_file)  # made by hand with the same command under /usr/bin/time -v
         cache.save()
     if key in cache.results:
-        cache.results[key]["command"] = " ".join(["transmla", *convert_command(budget, shared, Path("OUT"))[1:]])
+        cache.results[key]["command"] = " ".join(["transmla", *convert_command(method, budget, shared, Path("OUT"))[1:]])
     return out
 
 
@@ -149,7 +151,7 @@ def report(data: dict) -> None:
     loads = [x for r in runs for x in (r["load_before"][0], r["load_after"][0])]
     env = data["machine"]
     lines = [
-        "# Passkey retrieval: SmolLM2-135M and its TransMLA conversions (CLI defaults)",
+        "# Passkey retrieval: SmolLM2-135M and its TransMLA and MHA2MLA conversions (CLI defaults)",
         "",
         "Made by `python -m benchmarks.passkey` (issue 34). Each model runs `transmla eval MODEL --task passkey "
         f"--lengths N --depths {DEPTHS} --keys {KEYS} --seed {SEED} --json`: a random 5-digit key stated once "
