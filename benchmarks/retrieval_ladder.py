@@ -114,6 +114,10 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                         "cli-25+fit with the fit on 32 x 2048 tokens (the same 65K tokens)"),
     "25-rope-64+fit": ({"kv_budget": None, "kv_lora_rank": 32, "rope_dim": 64, "fit_shape": (64, 1024)}, {},
                        "25-rope-64 with the CLI's output fit (64 x 1024 tokens)"),
+    "cli-25+fit+distill": ({"kv_budget": 0.25, "saved": "out/exp/ft-distill25-long/model",
+                            "trained_by": "out/exp/distill25-long.log"}, {},
+                           "cli-25+fit healed: its MLA projections distilled from the source, 120 steps of 1024 "
+                           "wiki tokens (recipes/smollm2_cpu_distill_long.yaml; seconds: conversion + training)"),
 }
 # Variants measured on a conversion the CLI wrote (its "saved" folder, under the repository root).
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,9 +213,13 @@ def measure_saved(name: str, cache: ResultCache) -> None:
         final = key_probe(model, tok, PasskeySettings(**DEV_PASSKEY), DEV_LENGTHS)
         dev32 = b.dev32_ppl(model)
     timing = json.loads((ROOT / "benchmarks" / "results" / "passkey_smollm2.json").read_text())
-    timing = timing.get("results", timing).get("convert/0.25-shared", {})
+    seconds = timing.get("results", timing).get("convert/0.25-shared", {}).get("wall_s", float("nan"))
+    if "trained_by" in options_kw:  # + the training run's wall time (/usr/bin/time -v log)
+        from .common import measured
+
+        seconds += measured(ROOT / options_kw["trained_by"])["wall_s"]
     cache.results[name] = dict(variant=name, plan=twin["plan"], options=BASE | options_kw,
-                               convert_seconds=timing.get("wall_s", float("nan")), stage_ppl8=twin["stage_ppl8"],
+                               convert_seconds=seconds, stage_ppl8=twin["stage_ppl8"],
                                probes={k: twin["probes"][k] for k in ("rorope", "bkv_pca")} | {"final": final},
                                dev32=dev32, cpu=_cpu(), load=os.getloadavg()[0], date=time.strftime("%Y-%m-%d %H:%M"))
     cache.save()

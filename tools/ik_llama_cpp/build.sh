@@ -30,13 +30,7 @@ if [ $built = yes ]; then
     exit 0
 fi
 mkdir -p "$DIR"
-if [ ! -f "$SRC/CMakeLists.txt" ]; then
-    "$PY" -m pip download -q --no-deps --no-binary :all: "ik-llama-cpp-python==$VERSION" -d "$DIR/sdist"
-    rm -rf "$DIR/unpack" && mkdir -p "$DIR/unpack"
-    tar xzf "$DIR/sdist/ik_llama_cpp_python-$VERSION.tar.gz" -C "$DIR/unpack"
-    rm -rf "$SRC" && mv "$DIR/unpack/ik_llama_cpp_python-$VERSION/vendor/ik_llama.cpp" "$SRC"
-    rm -rf "$DIR/unpack"
-fi
+PYTHON=$PY "$HERE/../vendored_source.sh" ik-llama-cpp-python "$VERSION" vendor/ik_llama.cpp "$DIR"
 sed -e 's/@BUILD_NUMBER@/0/' -e "s/@BUILD_COMMIT@/ik-llama-cpp-python-$VERSION/" \
     -e "s/@BUILD_COMPILER@/$(${CXX:-g++} --version | head -1 | tr -d '"')/" -e 's/@BUILD_TARGET@/native/' \
     "$SRC/common/build-info.cpp.in" >"$SRC/common/build-info.cpp"

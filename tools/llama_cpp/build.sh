@@ -21,13 +21,7 @@ if [ $built = yes ] && [ "$BIN/transmla-logits" -nt "$HERE/logits.cpp" ]; then
 fi
 mkdir -p "$DIR"
 SRC=$DIR/src
-if [ ! -f "$SRC/CMakeLists.txt" ]; then
-    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR/sdist"
-    rm -rf "$DIR/unpack" && mkdir -p "$DIR/unpack"
-    tar xzf "$DIR/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$DIR/unpack"
-    rm -rf "$SRC" && mv "$DIR/unpack/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
-    rm -rf "$DIR/unpack"
-fi
+PYTHON=$PY "$HERE/../vendored_source.sh" llama-cpp-python "$VERSION" vendor/llama.cpp "$DIR"
 start=$(date +%s)
 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
