@@ -273,7 +273,18 @@ rule and its tie-break (1024 beats 512 by 59% of 512's gap, more than the 25% as
 runs on 64 x 1024 tokens (output_fit.DEFAULT_FIT_CALIBRATION); it cost 3463 s against rope-64+fit's
 2085 s here (expanded attention now pads its values for SDPA's fused kernel from 512 rows on, which the
 512-token run did not have yet). rope-64+fit-long (32 x 2048) was stopped: 5 minutes per layer before
-that padding. Not run: rope-64-output, rope-64-4k, calib-512, nope-scale-4k."""
+that padding. Not run: rope-64-output, rope-64-4k, calib-512, nope-scale-4k.
+
+At 25% (session of 2026-11-26 evening) nothing tried beats the CLI's default, by the rule written before
+measuring: cli-25+fit (64 + 32, fit 64 x 1024) reaches 1.497 / 5 (dev32 42.37) from cli-25's 2.917 / 0
+without the fit, against the source's 0.301 / 15. Rope 64 with latent 32 (25-rope-64) keeps retrieval
+through RoRoPE (1.593 / 7, as at 50%) but the 32-wide latent loses it again and much more perplexity
+(bkv_pca 3.245 / 0, dev32 242 against cli-25's 2.917 / 0, 123): screened out. The fit on 32 x 2048 tokens
+(cli-25+fit-2048) is worse than on 64 x 1024 (1.638 / 3, dev32 46.09) and slower (3508 s against 2558 s):
+half as many sequences is the cost of twice the length at 25%. Healing does better than either: 120 steps
+of distillation from the source on 1024-token pieces (cli-25+fit+distill, 28 min on one thread) bring dev32
+from 42.37 to 32.62 and the keys from 1.497 / 5 to 1.350 / 6: perplexity recovers much more than
+retrieval does (12% of the key gap)."""
 
 
 def report(results: dict) -> str:
