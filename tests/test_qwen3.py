@@ -28,7 +28,7 @@ from transmla.convert.qk_norm import linear_source
 from transmla.convert.registry import get_method
 from transmla.convert.transmla.method import LayerMoments, TransMLAPlan
 from transmla.export.errors import ExportError
-from transmla.families import UnsupportedArchitectureError, family_for
+from transmla.families import family_for
 from transmla.mla.latent_cache import cache_kwargs
 
 # head_dim 16 differs from hidden_size / heads = 8; cache rows 2*2*16 = 64 wide, latent 32: what
@@ -37,11 +37,10 @@ G, D_HEAD, H = 2, 16, 6
 QWEN3 = dict(head_dim=D_HEAD, initializer_range=0.2)  # logits of a few units, so errors show
 
 
-def test_family_detected_and_sliding_layers_refused():
+def test_family_detected_and_sliding_layers_mapped():
     assert family_for(Qwen3Config(**QWEN3)).qk_norm == {"q_norm": "q_norm", "k_norm": "k_norm"}
     sliding = Qwen3Config(use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=2)
-    with pytest.raises(UnsupportedArchitectureError, match="sliding-window layers"):
-        family_for(sliding)
+    assert [family_for(sliding).window(sliding, i) for i in range(2)] == [None, 16]  # tests/test_family_windows.py
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -70,12 +70,23 @@ QK_NORM = ("the model normalises each key head before RoPE (the source's k_norm,
            "has only a norm over the whole latent, so no DeepSeek or GGUF export is exact")
 
 
+# A model with sliding-window layers (Mistral's 4096, Qwen2/Qwen3 with use_sliding_window, Gemma 3): DeepSeek's
+# format and llama.cpp's deepseek2 attend to every cached token, so past the window they would not be the source.
+def sliding_refusal(windows: list[int]) -> str:
+    layers = [i for i, w in enumerate(windows) if w]
+    return (f"{len(layers)} layer(s) attend within a sliding window ({windows[layers[0]]} tokens, from layer {layers[0]}); "
+            "DeepSeek's format and llama.cpp's deepseek2 have no sliding window, so no DeepSeek or GGUF export is "
+            "exact past it")
+
+
 def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[str, ...],
                 has_bias: dict[str, bool]) -> ExportPlan:
     """config: the native model's transformers config, mla its MLAConfig; engines: those the
     export must load in (refusing what they cannot)."""
     if mla.qk_norm_kv_heads:
         raise ExportError(QK_NORM)
+    if any(mla.sliding_windows):
+        raise ExportError(sliding_refusal(mla.sliding_windows))
     cfg = config.to_dict()
     family = family_for(source_model_type(config))
     H, d_r, d_c = mla.num_heads, mla.qk_rope_head_dim, mla.kv_lora_rank
@@ -180,10 +191,13 @@ def check_source(config, options: ExportOptions) -> None:
     """What a source model (a transformers config) already decides about its DeepSeek export, checked
     before converting (`convert --format deepseek`) so that a refused export fails before the slow
     part and writes nothing: QK-norm, attention biases for engines without them, the MoE router and the
-    rope scaling per engine, an fp16 model. The rest (rope grid, latent width) is checked after."""
+    rope scaling per engine, sliding-window layers, an fp16 model. The rest (rope grid, latent width) is checked after."""
     family = family_for(config)
     if family.qk_norm:
         raise ExportError(QK_NORM)
+    windows = [family.window(config, i) or 0 for i in range(int(config.num_hidden_layers))]
+    if any(windows):
+        raise ExportError(sliding_refusal(windows))
     engines = options.engine_names
     _check_biases(family.has_qkv_bias(config) or family.has_o_bias(config), engines, options.drop_biases)
     cfg = config.to_dict()

@@ -17,6 +17,19 @@ class UnsupportedArchitectureError(ValueError):
     """The source model's architecture is not one transmla converts."""
 
 
+def source_window(config, layer: int) -> int | None:
+    """Layer `layer`'s sliding window as transformers applies it, None where every earlier token is seen:
+    config.sliding_window on the layers whose layer_types entry is "sliding_attention" (Qwen2 and Qwen3
+    with use_sliding_window, Gemma 3), on every layer where the config has no layer_types (Mistral,
+    Mixtral: their sliding_window defaults to 4096). A window of at least max_position_embeddings never
+    binds and is None (the model needs no bounded cache, and exports stay open to it)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= getattr(config, "max_position_embeddings", window + 1):
+        return None
+    kinds = getattr(config, "layer_types", None)
+    return window if kinds is None or kinds[layer] == "sliding_attention" else None
+
+
 @dataclass(frozen=True)
 class MoERouting:
     """How a mixture-of-experts family routes, and its MoE tensors under DeepSeek's names."""
@@ -62,7 +75,8 @@ class Family:
     check: Callable[[Any], None] | None = None
     # Per-layer attention specifics, for families whose layers differ or whose attention is not
     # Llama's (None: the Llama defaults): (config, layer) -> (inverse frequencies [d/2], cos/sin
-    # scale); config -> softmax scale; (config, layer) -> sliding window (None: every token);
+    # scale); config -> softmax scale; (config, layer) -> sliding window (None: every token; default
+    # source_window, transformers' own rule);
     # config -> the factor on the embedding output.
     layer_rope: Callable[[Any, int], tuple[torch.Tensor, float]] | None = None
     softmax_scale: Callable[[Any], float] | None = None
@@ -80,7 +94,7 @@ class Family:
 
     def window(self, config, layer: int) -> int | None:
         """Layer `layer`'s sliding window (keys within the last `window` positions), None for all."""
-        return self.layer_window(config, layer) if self.layer_window else None
+        return self.layer_window(config, layer) if self.layer_window else source_window(config, layer)
 
     def embedding_scale(self, config) -> float:
         return self.embed_scale(config) if self.embed_scale else 1.0

@@ -32,10 +32,6 @@ def layer_rope(config, layer: int):
     return rope_inv_freq(config, config.layer_types[layer])
 
 
-def layer_window(config, layer: int) -> int | None:
-    return config.sliding_window if config.layer_types[layer] == "sliding_attention" else None
-
-
 FAMILY = Family(
     model_type="gemma3_text",
     config_class="Gemma3TextConfig",
@@ -48,7 +44,6 @@ FAMILY = Family(
     check=check,
     layer_rope=layer_rope,
     softmax_scale=lambda config: config.query_pre_attn_scalar**-0.5,
-    layer_window=layer_window,
     embed_scale=lambda config: config.hidden_size**0.5,
     notes="QK-norm (1 + w), query_pre_attn_scalar, sliding-window layers: each masked to its window, "
           "its latent cache bounded to 2x the window",
