@@ -75,12 +75,10 @@ class Family:
     check: Callable[[Any], None] | None = None
     # Per-layer attention specifics, for families whose layers differ or whose attention is not
     # Llama's (None: the Llama defaults): (config, layer) -> (inverse frequencies [d/2], cos/sin
-    # scale); config -> softmax scale; (config, layer) -> sliding window (None: every token; default
-    # source_window, transformers' own rule);
-    # config -> the factor on the embedding output.
+    # scale); config -> softmax scale; config -> the factor on the embedding output. Sliding windows
+    # need no hook: every family's follow transformers' own rule (source_window).
     layer_rope: Callable[[Any, int], tuple[torch.Tensor, float]] | None = None
     softmax_scale: Callable[[Any], float] | None = None
-    layer_window: Callable[[Any, int], int | None] | None = None
     embed_scale: Callable[[Any], float] | None = None
     notes: str = ""
 
@@ -94,7 +92,7 @@ class Family:
 
     def window(self, config, layer: int) -> int | None:
         """Layer `layer`'s sliding window (keys within the last `window` positions), None for all."""
-        return self.layer_window(config, layer) if self.layer_window else source_window(config, layer)
+        return source_window(config, layer)
 
     def embedding_scale(self, config) -> float:
         return self.embed_scale(config) if self.embed_scale else 1.0
