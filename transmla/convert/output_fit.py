@@ -37,6 +37,11 @@ from .layers import MLALayer
 RIDGE = 1e-3
 MINIBATCH_TOKENS = 2048
 DIVERGENCE_WINDOW = 10  # Adam steps averaged by the divergence check (adam_fit)
+# A run has diverged when, at its check, its recent loss is this many times the loss it started from. Adam's
+# first steps raise the loss of every layer (each weight moves by about lr whatever its scale) and a run that
+# recovers comes back below the start only after 30-50 steps (SmolLM2 at 25%, lr 1e-3: 0.17 -> 0.22 at steps
+# 0-20, 0.13 at step 100); a run that diverges stays far above it (Qwen2.5-1.5B layer 0 at 3e-3: 0.21 -> 13.5).
+DIVERGED = 1.5
 BACKOFF = 3.0  # the learning rate's divisor after a divergence
 MAX_BACKOFFS = 2
 # A candidate layer replaces the best so far only when its relative error is lower by more than this: the
@@ -59,11 +64,21 @@ class FitSettings:
     closed_form: bool = True  # o_proj in closed form before and after Adam
     seed: int = 0
     minibatch_tokens: int = MINIBATCH_TOKENS  # tokens per Adam step (whole fit sequences)
+    queries: int = 0  # query positions per sequence in each Adam step's loss (random; 0: all)
+    closed_form_queries: int = 0  # query positions per sequence in the closed forms' sums (one fixed sample; 0: all)
 
 
-def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int):
+def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None):
+    """(attention output, target): at every position, or at the query positions `at` [m] only."""
+    if at is None:
+        return attn(x, position_ids=position_ids)[0], z
+    return attn.outputs_at(x, at), z[:, at]
+
+
+def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
+                       at: torch.Tensor | None = None):
     """Y^T Y [H*d_v, H*d_v], Y^T (Z - b_o) [H*d_v, D], ||Z - b_o||^2 and ||Z||^2 in float64 over all
-    tokens, Y = o_proj's input."""
+    tokens (or the query positions `at` of every sequence), Y = o_proj's input."""
     width = attn.o_proj.in_features
     yy = torch.zeros(width, width, dtype=torch.float64, device=x.device)
     yz = torch.zeros(width, z.shape[-1], dtype=torch.float64, device=x.device)
@@ -74,9 +89,9 @@ def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, pos
     hook = attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(args[0]))
     try:
         for start in range(0, x.shape[0], batch):
-            attn(x[start : start + batch], position_ids=position_ids)
+            target = _outputs(attn, x[start : start + batch], z[start : start + batch], position_ids, at)[1]
             y = seen.pop().reshape(-1, width).double()  # [n, H*d_v]
-            target = z[start : start + batch].reshape(-1, z.shape[-1]).double()  # [n, D]
+            target = target.reshape(-1, z.shape[-1]).double()  # [n, D]
             z_norm += target.pow(2).sum()
             if bias is not None:  # the bias stays: W is fitted to Z - b_o
                 target = target - bias.double()
@@ -89,11 +104,12 @@ def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, pos
 
 
 @torch.no_grad()
-def refit_o_proj_errors(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int) -> tuple[float, float]:
+def refit_o_proj_errors(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
+                        at: torch.Tensor | None = None) -> tuple[float, float]:
     """Steps 1 and 3: the ridge least-squares o_proj (module docstring), in place. Returns the layer's
     output error (output_error's value) before and after it, from the same sums, without another pass
     over the tokens: ||Y W^T - (Z - b)||^2 = tr(W Y^T Y W^T) - 2 tr(W Y^T (Z - b)) + ||Z - b||^2."""
-    yy, yz, zz, z_norm = _heads_output_gram(attn, x, z, position_ids, batch)
+    yy, yz, zz, z_norm = _heads_output_gram(attn, x, z, position_ids, batch, at)
     norm = max(float(z_norm), 1e-30)
 
     def error(w: torch.Tensor) -> float:  # w [D, H*d_v] float64
@@ -108,18 +124,21 @@ def refit_o_proj_errors(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, po
     return before, error(attn.o_proj.weight.double())  # as stored
 
 
-def refit_o_proj(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int) -> float:
+def refit_o_proj(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
+                 at: torch.Tensor | None = None) -> float:
     """refit_o_proj_errors' fit, in place; the output error after it."""
-    return refit_o_proj_errors(attn, x, z, position_ids, batch)[1]
+    return refit_o_proj_errors(attn, x, z, position_ids, batch, at)[1]
 
 
 @torch.no_grad()
-def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int) -> float:
-    """||Attn_mla(X) - Z||^2 / ||Z||^2 over all tokens."""
+def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
+                 at: torch.Tensor | None = None) -> float:
+    """||Attn_mla(X) - Z||^2 / ||Z||^2 over all tokens (or the query positions `at` of every sequence)."""
     err = z_norm = 0.0
     for s in range(0, x.shape[0], batch):  # float64 per batch of sequences, no copy of all of z
-        err += float((attn(x[s : s + batch], position_ids=position_ids)[0] - z[s : s + batch]).double().pow(2).sum())
-        z_norm += float(z[s : s + batch].double().pow(2).sum())
+        out, target = _outputs(attn, x[s : s + batch], z[s : s + batch], position_ids, at)
+        err += float((out - target).double().pow(2).sum())
+        z_norm += float(target.double().pow(2).sum())
     return err / max(z_norm, 1e-30)
 
 
@@ -136,12 +155,18 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
     with torch.enable_grad():
         for step in range(settings.steps):
             pick = torch.randint(0, x.shape[0], (batch,), generator=gen).to(x.device)  # [batch] sequences
+            target = z[pick]  # [batch, T, D]
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-                out = attn(x[pick], position_ids=position_ids)[0]
-            loss = (out.float() - z[pick]).pow(2).mean() / scale
+                if 0 < settings.queries < x.shape[1]:  # an unbiased sample of the loss's query positions
+                    at = torch.randperm(x.shape[1], generator=gen)[: settings.queries].sort().values.to(x.device)  # [m]
+                    out, target = attn.outputs_at(x[pick], at), target[:, at]
+                else:
+                    out = attn(x[pick], position_ids=position_ids)[0]
+            loss = (out.float() - target).pow(2).mean() / scale
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
-                if step + 1 == check_at and sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > losses[0]:
+                start = losses[0]
+                if step + 1 == check_at and sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > DIVERGED * start:
                     return False
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -191,17 +216,21 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
     batch = max(1, settings.minibatch_tokens // T)  # sequences per forward and per Adam step
     position_ids = torch.arange(T, device=x.device)[None]
     attn.eval()  # the expanded path, differentiable; no cache
+    at = None  # the closed forms' query positions: all, or one fixed sample for every candidate
+    if 0 < settings.closed_form_queries < T:
+        gen = torch.Generator().manual_seed(settings.seed + 1)
+        at = torch.randperm(T, generator=gen)[: settings.closed_form_queries].sort().values.to(x.device)  # [m]
     if settings.closed_form:  # the error before comes from the closed form's own sums
-        before, after = refit_o_proj_errors(attn, x, z, position_ids, batch)
+        before, after = refit_o_proj_errors(attn, x, z, position_ids, batch, at)
     else:
-        before = after = output_error(attn, x, z, position_ids, batch)
+        before = after = output_error(attn, x, z, position_ids, batch, at)
     best, best_error = layer, before  # an exact layer stays: Adam's unit-size steps can only perturb it
     info = {}
     if settings.steps:
         if after < best_error - ERROR_NOISE:  # step 1 alone is a candidate too
             best, best_error = layer_of(attn, layer), after
         info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings)
-        after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch)
+        after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at)
     if after < best_error - ERROR_NOISE:
         best, best_error = layer_of(attn, layer), after
     return best, {"output_error": [round(before, 6), round(best_error, 6)], **info}

@@ -195,6 +195,25 @@ class MLAAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, latent[:, start:], k_rope[:, start:], mask)
         return self.o_proj(out.reshape(B, T, c.num_heads * c.v_head_dim)), None
 
+    def outputs_at(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The expanded path's output [B, m, D] at the query positions `positions` [m] (sorted) of
+        whole sequences hidden_states [B, T, D] at positions 0..T-1, each query over its causal
+        window of every key: forward(hidden_states)[0][:, positions], with the attention and the
+        query and output projections computed for those m queries only (a training loss on a
+        sample of the queries costs about m / T of the full one's attention)."""
+        c = self.config
+        B, T, _ = hidden_states.shape
+        latent, k_rope = self.compress(hidden_states)  # [B, T, d_c], [B, T, d_r]
+        cos, sin = self._rope(torch.arange(T, device=hidden_states.device)[None].expand(B, -1), latent.dtype)
+        k_rope = k_rope * cos + rotate_half(k_rope) * sin
+        q_nope, q_rope = self._query(hidden_states[:, positions], cos[:, positions], sin[:, positions])
+        keys = torch.arange(T, device=hidden_states.device)[None, :]  # [1, T]
+        mask = keys <= positions[:, None]  # [m, T]
+        if c.window(self.layer_idx):
+            mask &= keys > positions[:, None] - c.window(self.layer_idx)
+        out = self._expanded(q_nope, q_rope, latent, k_rope, mask[None, None])  # [B, m, H, d_v]
+        return self.o_proj(out.reshape(B, positions.shape[0], c.num_heads * c.v_head_dim))
+
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> q_nope [B, T, H, d_nope] and the rotated q_rope [B, T, H, d_r]."""
         c = self.config
