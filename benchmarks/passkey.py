@@ -52,13 +52,15 @@ MODELS = {  # role -> (method, kv budget, exportable shape: --shared-rope, else 
 # Healed conversions (role -> the model folder `transmla finetune` wrote, under the repository root): measured
 # when the folder exists, never made here (the recipe says how; minutes to an hour of CPU).
 HEALED = {
-    # recipes/smollm2_cpu_distill_long.yaml on the saved "transmla 25% exportable" (model.path instead of
-    # model.source + convert: the same conversion, not made twice)
+    # recipes/smollm2_cpu_distill_long.yaml on the saved "transmla 25% exportable, fit without repeats"
+    # (model.path instead of model.source + convert: the same conversion, not made twice)
     "transmla 25% exportable + distill": "out/exp/ft-distill25-long/model",
 }
 # Measured before the output fit moved from 1024 x 64 to 64 x 1024 tokens (issue 34): kept in the table,
 # never run again (today's CLI makes the conversions above instead).
-EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 64", "transmla 25% exportable, fit 1024 x 64")
+EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 64", "transmla 25% exportable, fit 1024 x 64",
+           # before the fit sequences had a span repeated in them (issue 34: cli-25+fit-repeat in retrieval_ladder)
+           "transmla 25% exportable, fit without repeats")
 
 
 def cpu_name() -> str:
@@ -172,9 +174,10 @@ def report(data: dict) -> None:
         "Models: the source (`smollm2-135m`, GQA, 384 cached elements per token per layer); "
         + "; ".join(f"{role}: `{data[_convert_key(*b)]['command']}`" if _convert_key(*b) in data else role
                     for role, b in MODELS.items() if b is not None)
-        + "; " + ", ".join(EARLIER) + ": the same commands before the output fit moved from 1024 x 64 to 64 x 1024 "
-        "tokens (issue 34)"
-        + "".join(f"; {role}: the saved transmla 25% exportable healed by `transmla finetune "
+        + "; " + ", ".join(EARLIER[:3]) + ": the same commands before the output fit moved from 1024 x 64 to 64 x 1024 "
+        f"tokens (issue 34); {EARLIER[3]}: the 25% command before the fit's sequences had one span repeated later "
+        "in each (issue 34)"
+        + "".join(f"; {role}: the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
                   "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps "
                   "of 1024 wiki tokens)" for role in HEALED if merged(data, role) is not None) + ".",
         "",

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from transmla.data.calib import calibration_chunks, calibration_mix, split_samples
+from transmla.data.calib import calibration_chunks, calibration_mix, split_samples, with_repeated_span
 from transmla.data.texts import TextSourceError, builtin_text, load_text
 
 
@@ -155,3 +155,22 @@ def test_calibration_mix_bad_specs(spec, message):
         calibration_mix(spec)
     with pytest.raises(ValueError, match="cannot be shared by 3 texts"):
         split_samples(2, [1, 1, 1])
+
+
+def test_with_repeated_span_copies_one_span_later_in_each_sequence():
+    """Each fit sequence gets exactly one span of 32..128 tokens written again later in it; token 0 (the
+    sink) and every other token stay; the same seed gives the same sequences; too short: unchanged."""
+    ids = torch.arange(4 * 1024).view(4, 1024)  # every token distinct: a copy is visible
+    out = with_repeated_span(ids, seed=3)
+    assert torch.equal(out, with_repeated_span(ids, seed=3)) and not torch.equal(out, with_repeated_span(ids, seed=4))
+    for row, orig in zip(out, ids):
+        changed = (row != orig).nonzero().flatten()
+        n = len(changed)
+        assert 32 <= n <= 128 and row[0] == orig[0]
+        second = int(changed[0])
+        assert torch.equal(changed, torch.arange(second, second + n))  # one contiguous span
+        first = int(row[second]) - int(orig[0])  # the copied tokens come from one earlier span
+        assert first + n <= second and torch.equal(row[second : second + n], orig[first : first + n])
+    short = torch.arange(2 * 40).view(2, 40)
+    assert torch.equal(with_repeated_span(short, seed=0), short)  # no room for two 32-token spans
+    assert not torch.equal(with_repeated_span(torch.arange(2 * 80).view(2, 80), seed=0), torch.arange(160).view(2, 80))

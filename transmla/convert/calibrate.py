@@ -166,18 +166,31 @@ def calibrated_layers(
             require_finite(stats.gram, f"layer {i}'s calibration statistics")
             converted = convert_layer(i, src, stats)
             views = [(_rope_cos_sin(config, i, h.shape[1], device), _layer_mask(config, i, h.shape[1], device)) for h, _ in streams]
-            if fit_layer is not None:
+            if fit_layer is not None and propagate == "converted":  # the source attention's io before it is replaced
                 x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1], batch_size)
                 with torch.inference_mode(False):
                     converted = fit_layer(i, converted, x.clone(), z.clone())
-            yield converted
-            if propagate == "converted":
                 layer.self_attn = mla_attention(config, converted, device, i)
-            for (h_all, h_pos), (cos_sin, mask) in zip(streams, views):
+            seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for k, ((h_all, h_pos), (cos_sin, mask)) in enumerate(zip(streams, views)):
+                # with original propagation the fit's x and z are what the source layer's attention reads and
+                # writes while the fit stream passes: kept, not computed again
+                keep = fit_layer is not None and propagate == "original" and k == 1
+                hook = layer.self_attn.register_forward_hook(
+                    lambda m, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True
+                ) if keep else None
                 for start in range(0, h_all.shape[0], batch_size):
                     h = h_all[start : start + batch_size]
                     out = layer(h, attention_mask=mask, position_ids=h_pos, position_embeddings=cos_sin)
                     h_all[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
+                if hook is not None:
+                    hook.remove()
+            if seen:
+                x, z = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])  # [N', T', D] each
+                del seen
+                with torch.inference_mode(False):
+                    converted = fit_layer(i, converted, x.clone(), z.clone())
+            yield converted
             del layer
 
 

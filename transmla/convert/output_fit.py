@@ -37,11 +37,6 @@ from .layers import MLALayer
 RIDGE = 1e-3
 MINIBATCH_TOKENS = 2048
 DIVERGENCE_WINDOW = 10  # Adam steps averaged by the divergence check (adam_fit)
-# A run has diverged when, at its check, its recent loss is this many times the loss it started from. Adam's
-# first steps raise the loss of every layer (each weight moves by about lr whatever its scale) and a run that
-# recovers comes back below the start only after 30-50 steps (SmolLM2 at 25%, lr 1e-3: 0.17 -> 0.22 at steps
-# 0-20, 0.13 at step 100); a run that diverges stays far above it (Qwen2.5-1.5B layer 0 at 3e-3: 0.21 -> 13.5).
-DIVERGED = 1.5
 BACKOFF = 3.0  # the learning rate's divisor after a divergence
 MAX_BACKOFFS = 2
 # A candidate layer replaces the best so far only when its relative error is lower by more than this: the
@@ -66,6 +61,12 @@ class FitSettings:
     minibatch_tokens: int = MINIBATCH_TOKENS  # tokens per Adam step (whole fit sequences)
     queries: int = 0  # query positions per sequence in each Adam step's loss (random; 0: all)
     closed_form_queries: int = 0  # query positions per sequence in the closed forms' sums (one fixed sample; 0: all)
+    # adam_fit's check: diverged when the recent loss is above this many times the start. Adam's first steps
+    # raise every layer's loss (each weight moves by about lr whatever its scale); at lr 1e-3 SmolLM2's layers
+    # at 25% come back below the start only after 30-50 steps (0.17 -> 0.22 at steps 0-20, 0.13 at step 100),
+    # so 1 (the CLI's, measured so) also backs off runs that would recover; Qwen2.5-1.5B's diverging layers
+    # stayed at 3x-60x.
+    diverged: float = 1.0
 
 
 def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None):
@@ -166,7 +167,7 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
                 start = losses[0]
-                if step + 1 == check_at and sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > DIVERGED * start:
+                if step + 1 == check_at and sum(losses[-DIVERGENCE_WINDOW:]) / DIVERGENCE_WINDOW > settings.diverged * start:
                     return False
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -60,15 +60,17 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
 def fit_sequences(source_dir: Path, text: str, seed: int) -> torch.Tensor:
     """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or what a short
     text has: the count halved until they fit (down to one per text of a mix), then the length, down
-    to 16 tokens; the first error when even that does not fit."""
-    from ..data.calib import calibration_mix
+    to 16 tokens; the first error when even that does not fit. In each, one span is repeated later
+    (data.calib.with_repeated_span: the fit sees the source read back far, as retrieval does; chosen on
+    dev keys, benchmarks/results/retrieval_ladder.md)."""
+    from ..data.calib import calibration_mix, with_repeated_span
 
     samples, seq_len = DEFAULT_FIT_CALIBRATION
     fewest = len(calibration_mix(text))
     first_error = None
     while True:
         try:
-            return calibration_ids(source_dir, text, samples, seq_len, seed)
+            return with_repeated_span(calibration_ids(source_dir, text, samples, seq_len, seed), seed)
         except ValueError as e:
             first_error = first_error or e
             if samples // 2 >= fewest:
@@ -121,11 +123,13 @@ class LayerStream:
         if self.fit is not None and self.needs.calibration:
             if fit_ids is None and self.calibration.get("text") is None:  # calib_ids were given: fit on them
                 fit_ids = self.calib_ids
-            elif fit_ids is None:  # other sequences of the calibration text than the statistics'
+            repeated = fit_ids is None
+            if fit_ids is None:  # other sequences of the calibration text than the statistics'
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1)
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": self.fit.steps, "lr": self.fit.lr, "closed_form": self.fit.closed_form,
-                                       "bf16": self.fit.bf16, "sequences": list(fit_ids.shape)}
+                                       "bf16": self.fit.bf16, "sequences": list(fit_ids.shape),
+                                       "repeated_span": repeated}
         elif self.fit is not None and cal.fit_steps:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
 
