@@ -331,7 +331,8 @@ CLI's fit sequences now carry the repeated span (data.calib.with_repeated_span),
 rope-64+fit-repeat gives 0.350 / 21 against rope-64+fit-1024's 0.444 / 19 (source 0.301 / 15), dev32 26.92
 against 26.83 (+0.3%), which passes the 50% rule written before it ran. On the test table
 (benchmarks/passkey) the new 25% default finds 5 / 1 / 1 of 9 at 1K / 2K / 4K against 3 / 0 / 0 before
-(source 6 / 4 / 1); wiki-test 32 33.22 against 32.88 (+1.0%, the trade). A fit about 2.8x cheaper (cli-25+fit-fast: 150 Adam steps on 128 sampled query
+(source 6 / 4 / 1), and 0 of 9 at 8K as before (source 1); wiki-test 32 33.22 against 32.88 (+1.0%, the
+trade). A fit about 2.8x cheaper (cli-25+fit-fast: 150 Adam steps on 128 sampled query
 positions per sequence, the closed forms on 512, backing off only at 1.5x the start loss; 900 s against
 2558 s) loses too much: dev32 45.03 (+6.3%), keys 1.638 / 4; not the default."""
 
