@@ -209,7 +209,9 @@ def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: boo
         raise
     finally:
         torch.set_num_threads(threads)
-        if PartialState().num_processes == 1:  # let a later run in this process pick other settings
+        # let a later run in this process pick other settings; a state whose set-up failed part way (a peer
+        # that hung during it) has no num_processes, and must not hide the error on its way out
+        if getattr(PartialState(), "num_processes", 1) == 1:
             AcceleratorState._reset_state()
             GradientState._reset_state()
 
