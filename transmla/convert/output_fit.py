@@ -159,13 +159,11 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
     with torch.enable_grad():
         for step in range(settings.steps):
             pick = torch.randint(0, x.shape[0], (batch,), generator=gen).to(x.device)  # [batch] sequences
-            target = z[pick]  # [batch, T, D]
+            at = None  # every query position, or an unbiased sample of them [m]
+            if 0 < settings.queries < x.shape[1]:
+                at = torch.randperm(x.shape[1], generator=gen)[: settings.queries].sort().values.to(x.device)
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-                if 0 < settings.queries < x.shape[1]:  # an unbiased sample of the loss's query positions
-                    at = torch.randperm(x.shape[1], generator=gen)[: settings.queries].sort().values.to(x.device)  # [m]
-                    out, target = attn.outputs_at(x[pick], at), target[:, at]
-                else:
-                    out = attn(x[pick], position_ids=position_ids)[0]
+                out, target = _outputs(attn, x[pick], z[pick], position_ids, at)
             loss = (out.float() - target).pow(2).mean() / scale
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
