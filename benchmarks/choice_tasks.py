@@ -24,7 +24,7 @@ import subprocess
 import time
 
 from .common import RESULTS, TRANSMLA, ResultCache, log
-from .passkey import MODEL, MODELS, converted, cpu_name
+from .passkey import EARLIER, MODEL, MODELS, converted, cpu_name
 
 STEM = "choice_tasks_smollm2"
 TASKS = {"cloze": ["--context-tokens", "512"], "recall": ["--context-tokens", "1024"]}
@@ -48,7 +48,7 @@ def report(results: dict) -> str:
          (__doc__ or "").split("\n\n")[1].strip(), "",
          "| model | cloze acc | cloze acc_norm | recall acc | recall acc_norm | seconds (cloze / recall) |",
          "|---|---|---|---|---|---|"]
-    for role in MODELS:
+    for role in [*MODELS, *EARLIER]:  # earlier conversions stay in the table, never run again
         c, r = results.get(f"{role}/cloze"), results.get(f"{role}/recall")
         if not (c or r):
             continue
