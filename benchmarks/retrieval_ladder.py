@@ -193,7 +193,7 @@ def measure(name: str, cache: ResultCache) -> None:
     settings = PasskeySettings(**DEV_PASSKEY)
     fit_shape = options_kw.get("fit_shape")
     options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items()
-                                   if v is not None and k not in ("fit_shape", "fit_repeat", "fit_settings")})
+                                   if v is not None and k not in ("fit_shape", "fit_repeat", "fit_span", "fit_settings")})
     method = get_method("transmla")
     start = time.perf_counter()
     fit_ids = None
@@ -203,9 +203,9 @@ def measure(name: str, cache: ResultCache) -> None:
         if options_kw.get("fit_repeat"):
             from transmla.data.calib import with_repeated_span
 
-            spans = options_kw.get("fit_span", (32, 128))  # each span's shortest and longest length
-            for i in range(int(options_kw["fit_repeat"])):  # True: one span; n: n spans, one seed each
-                fit_ids = with_repeated_span(fit_ids, cal.seed + 1 + i, *spans)
+            # True: one span; n: n spans (seeds seed, seed + 1, ...); fit_span: each one's shortest and longest length
+            fit_ids = with_repeated_span(fit_ids, cal.seed + 1, *options_kw.get("fit_span", (32, 128)),
+                                         spans=int(options_kw["fit_repeat"]))
     fit = None
     if "fit_settings" in options_kw:
         from transmla.convert.output_fit import FitSettings

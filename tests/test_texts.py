@@ -174,3 +174,18 @@ def test_with_repeated_span_copies_one_span_later_in_each_sequence():
     short = torch.arange(2 * 40).view(2, 40)
     assert torch.equal(with_repeated_span(short, seed=0), short)  # no room for two 32-token spans
     assert not torch.equal(with_repeated_span(torch.arange(2 * 80).view(2, 80), seed=0), torch.arange(160).view(2, 80))
+
+
+def test_with_repeated_span_several_spans_are_one_span_after_another():
+    """spans=k copies k spans per sequence, the i-th as one span with seed + i would: a later copy may
+    overwrite an earlier one, never token 0; short spans are as asked."""
+    ids = torch.arange(4 * 1024).view(4, 1024)
+    out = with_repeated_span(ids, seed=5, shortest=8, longest=32, spans=4)
+    step = ids
+    for i in range(4):
+        step = with_repeated_span(step, seed=5 + i, shortest=8, longest=32)
+    assert torch.equal(out, step)
+    assert torch.equal(with_repeated_span(ids, seed=5, spans=1), with_repeated_span(ids, seed=5))
+    for row, orig in zip(out, ids):
+        changed = int((row != orig).sum())
+        assert 8 <= changed <= 4 * 32 and row[0] == orig[0]

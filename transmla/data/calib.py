@@ -91,21 +91,24 @@ def calibration_chunks(
     return chunks[pick].clone()  # [n_samples, seq_len]
 
 
-def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = 32, longest: int = 128) -> torch.Tensor:
-    """ids [N, T] with, in each sequence, one span of `shortest`..`longest` tokens (at most (T - 1) // 2)
-    copied over a later place of the same sequence, token 0 (the attention sink) kept; unchanged when T
-    leaves no room for two spans of `shortest`. Where the copy runs, the source attends back to the first
-    span, up to T tokens away, as when it repeats a key stated long before: fit targets that hold such
-    reads (issue 34). Seeded, reproducible."""
+def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = 32, longest: int = 128,
+                       spans: int = 1) -> torch.Tensor:
+    """ids [N, T] with, in each sequence, `spans` spans of `shortest`..`longest` tokens (at most
+    (T - 1) // 2) each copied over a later place of the same sequence (one after another, seeds seed,
+    seed + 1, ...: a later copy may overwrite an earlier one), token 0 (the attention sink) kept;
+    unchanged when T leaves no room for two spans of `shortest`. Where a copy runs, the source attends
+    back to its first span, up to T tokens away, as when it repeats a key stated long before: fit
+    targets that hold such reads (issue 34). Seeded, reproducible."""
     N, T = ids.shape
     longest = min(longest, (T - 1) // 2)
     if longest < shortest:
         return ids
-    gen = torch.Generator().manual_seed(seed)
     out = ids.clone()
-    for row in out:
-        n = int(torch.randint(shortest, longest + 1, (1,), generator=gen))
-        first = int(torch.randint(1, T - 2 * n + 1, (1,), generator=gen))  # the span [first, first + n)
-        second = int(torch.randint(first + n, T - n + 1, (1,), generator=gen))  # its copy, after it
-        row[second : second + n] = row[first : first + n].clone()
+    for i in range(spans):
+        gen = torch.Generator().manual_seed(seed + i)
+        for row in out:
+            n = int(torch.randint(shortest, longest + 1, (1,), generator=gen))
+            first = int(torch.randint(1, T - 2 * n + 1, (1,), generator=gen))  # the span [first, first + n)
+            second = int(torch.randint(first + n, T - n + 1, (1,), generator=gen))  # its copy, after it
+            row[second : second + n] = row[first : first + n].clone()
     return out
