@@ -379,7 +379,10 @@ onsets) give 1.284 / 11, dev32 42.71: no better than one span, so it is the amou
 target, not the number of places a copy starts, that carries the keys. Adam's loss on 256 sampled queries
 of 1024 per sequence (cli-25+fit-q256, 1277 s against 2655 s) fails its rule on every count: 1.316 / 7,
 dev32 43.43 (+1.9%): halving the fit's time this way costs what the layer-level screen did not show (each
-layer's held-out error was within 2%; over 30 layers it compounds)."""
+layer's held-out error was within 2%; over 30 layers it compounds). Two spans of 32-128 tokens
+(cli-25+fit-repeat2) give 1.065 / 16 (more exact keys than the source's 15), dev32 43.05 (+1.0%), 2208 s:
+they pass the 25% rule, so the CLI's fit repeats two spans of each sequence at 25% of the cache and below
+(convert/pipeline.repeated_spans) and one above (50% with two not measured)."""
 
 
 def report(results: dict) -> str:

@@ -57,12 +57,30 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
     return calibration_chunks(tokenizer, text, samples, seq_len, seed)
 
 
-def fit_sequences(source_dir: Path, text: str, seed: int) -> torch.Tensor:
+def repeated_spans(cache_fraction: float | None) -> int:
+    """How many spans of each fit sequence are repeated later (data.calib.with_repeated_span), by the
+    fraction of the source's KV cache the conversion keeps. Chosen on dev keys and dev32
+    (benchmarks/results/retrieval_ladder.md): two at 25% and below (cli-25+fit-repeat2; four read keys
+    better still but cost more perplexity than its rule allowed), one above (50%: rope-64+fit-repeat;
+    two not measured there)."""
+    return 2 if cache_fraction is not None and cache_fraction <= 0.25 + 1e-9 else 1
+
+
+def plan_cache_fraction(plan, geometry) -> float | None:
+    """The plan's cached elements per token per layer (latent + rope key) over the source's; None when
+    the plan does not say (no kv_lora_rank)."""
+    latent = getattr(plan, "kv_lora_rank", None)
+    if latent is None:
+        return None
+    return (latent + (getattr(plan, "rope_dim", 0) or 0)) / geometry.kv_elements_per_token_per_layer
+
+
+def fit_sequences(source_dir: Path, text: str, seed: int, spans: int = 1) -> torch.Tensor:
     """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or what a short
     text has: the count halved until they fit (down to one per text of a mix), then the length, down
-    to 16 tokens; the first error when even that does not fit. In each, one span is repeated later
-    (data.calib.with_repeated_span: the fit sees the source read back far, as retrieval does; chosen on
-    dev keys, benchmarks/results/retrieval_ladder.md)."""
+    to 16 tokens; the first error when even that does not fit. In each, `spans` spans are repeated
+    later (data.calib.with_repeated_span: the fit sees the source read back far, as retrieval does;
+    how many: repeated_spans)."""
     from ..data.calib import calibration_mix, with_repeated_span
 
     samples, seq_len = DEFAULT_FIT_CALIBRATION
@@ -70,7 +88,7 @@ def fit_sequences(source_dir: Path, text: str, seed: int) -> torch.Tensor:
     first_error = None
     while True:
         try:
-            return with_repeated_span(calibration_ids(source_dir, text, samples, seq_len, seed), seed)
+            return with_repeated_span(calibration_ids(source_dir, text, samples, seq_len, seed), seed, spans=spans)
         except ValueError as e:
             first_error = first_error or e
             if samples // 2 >= fewest:
@@ -123,13 +141,14 @@ class LayerStream:
         if self.fit is not None and self.needs.calibration:
             if fit_ids is None and self.calibration.get("text") is None:  # calib_ids were given: fit on them
                 fit_ids = self.calib_ids
-            repeated = fit_ids is None
+            spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
-                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1)
+                spans = repeated_spans(plan_cache_fraction(self.plan, self.geometry))
+                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans)
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": self.fit.steps, "lr": self.fit.lr, "closed_form": self.fit.closed_form,
                                        "bf16": self.fit.bf16, "sequences": list(fit_ids.shape),
-                                       "repeated_span": repeated}
+                                       "repeated_spans": spans}
         elif self.fit is not None and cal.fit_steps:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
 

@@ -196,8 +196,8 @@ def run_finetune(recipe: Recipe, *, stop_after: int | None = None, progress: boo
     try:
         try:
             return _run(recipe, stop_after, progress)
-        except RuntimeError as e:  # gloo/NCCL word a peer that never answered in their own terms
-            if "timed out" not in str(e).lower():
+        except RuntimeError as e:  # gloo/NCCL/the c10d store word a peer that never answered in their own terms
+            if not any(word in str(e).lower() for word in ("timed out", "timeout")):  # store: "wait timeout after"
                 raise
             raise TimeoutError(
                 f"another process did not answer within train.timeout_seconds ({recipe.train.timeout_seconds} s): "
