@@ -60,7 +60,9 @@ HEALED = {
 # never run again (today's CLI makes the conversions above instead).
 EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 64", "transmla 25% exportable, fit 1024 x 64",
            # before the fit sequences had a span repeated in them (issue 34: cli-25+fit-repeat in retrieval_ladder)
-           "transmla 25% exportable, fit without repeats", "transmla 50% exportable, fit without repeats")
+           "transmla 25% exportable, fit without repeats", "transmla 50% exportable, fit without repeats",
+           # one span repeated per fit sequence at 25% (two since 2026-11-27: retrieval_ladder cli-25+fit-repeat2)
+           "transmla 25% exportable, one repeated span")
 
 
 def cpu_name() -> str:

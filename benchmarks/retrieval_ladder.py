@@ -84,6 +84,12 @@ positions per sequence instead of all 1024 (FitSettings.queries; on captured lay
 full fit's held-out error, 0.106/0.156/0.193 against 0.104/0.153/0.196, in 29 s against 70 s per layer).
 It replaces the CLI's fit only at today's quality, the FAST rule against cli-25+fit-repeat: dev32 at most
 1% above 42.61 (43.04), key NLL at most 5% of the gap to the source above 1.187 (1.231), at least 9 exact.
+
+rope-64+fit-repeat2 (session of 2026-11-27 morning; written before measuring): the 50% default's fit with two
+repeated spans per sequence (as the 25% default since cli-25+fit-repeat2) instead of one. The CLI's fit
+repeats two spans at every budget only if, against rope-64+fit-repeat (today's 50% default, 0.350 / 21,
+dev32 26.92), its key NLL is no higher (0.350 or lower), its exact matches no fewer (21 or more) and its
+dev32 at most 1% above (27.19 or lower); otherwise 50% keeps one span.
 """
 
 from __future__ import annotations
@@ -173,6 +179,8 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                  "cli-25+fit-repeat4 with spans of 8-32 tokens (as many tokens copied as one span of 32-128)"),
     "cli-25+fit-repeat2": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2}, {},
                            "cli-25+fit-repeat with two repeated spans per fit sequence instead of one"),
+    "rope-64+fit-repeat2": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (64, 1024),
+                             "fit_repeat": 2}, {}, "rope-64+fit-repeat (the CLI's 50%) with two repeated spans per fit sequence"),
     "cli-25+fit-q256": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": True,
                          "fit_settings": dict(steps=200, lr=1e-3, queries=256)}, {},
                         "cli-25+fit-repeat with Adam's loss on 256 sampled query positions per sequence (of 1024)"),
