@@ -6,6 +6,7 @@ latent 128 or 256: the widths its flash attention has kernels for, `transmla ins
     .venv/bin/python -m benchmarks.ik_llama_cpp --phase decode --threads 1,2        # llama-bench tg at depths
     .venv/bin/python -m benchmarks.ik_llama_cpp --phase parallel --threads 2        # llama-batched-bench
     .venv/bin/python -m benchmarks.ik_llama_cpp --phase prompt --threads 2          # llama-bench pp512, pp4096
+    .venv/bin/python -m benchmarks.ik_llama_cpp --phase memory --budgets 1024,2048  # longest context in a RAM budget
     .venv/bin/python -m benchmarks.ik_llama_cpp --phase report
 
 --models picks from MODELS (default: the built-in at 50%; qwen2.5-coder-1.5b needs `make qwen2`).
@@ -24,6 +25,12 @@ and 8 sequences with their own prompt of 4K and 16K, N tokens each (S_TG). Promp
 4096. Ideal speedup = bytes read per decode step, source / conversion: weights (all but a gathered
 token embedding, and attn_kv_b, which only prompts of 128+ tokens read) + KV cache at that depth (d_c + d_r, or the source's 2 x KV heads x head_dim, per
 token per layer, at the cache type's bytes), times the sequences for parallel decode.
+
+Memory as a user meets it: for each RAM budget (MiB) and run, the longest context (in cells of 256; ik's
+cache is one pool of cells that parallel sequences share, so S sequences of L tokens need S x L cells) whose
+memory fits, where memory = the process's peak RSS once ik has loaded the model and made (and cleared) the
+context, plus the compute buffer it reserved then (untouched until the first batch, so not yet in the RSS:
+counting all of it is the upper bound). Found by bisection on real runs (transmla.bench.llama_cpp.ik_memory).
 
 Parallel decode with flash attention aborts in ik_llama.cpp 0.1.5 whenever its CPU kernels run
 (GGML_ASSERT(S > 0), iqk_fa_templates.h:1157): seen for the GQA source (64/64) and for conversions of
@@ -170,6 +177,47 @@ def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], ca
                                           "load_after": os.getloadavg(), "machine": machine()}}})
 
 
+def memory_of(probe: dict) -> float:
+    """MiB a user's process reaches at this context (module notes): peak RSS + the reserved compute buffer."""
+    return probe["rss"] + probe["compute"]
+
+
+def longest_context(path: Path, budget: float, mla: int, fa: bool, cache_type: str, step: int = 256) -> dict:
+    """The ik_memory probe at the largest multiple of `step` cells whose memory_of fits `budget` MiB
+    (bisection: memory grows with the context), or {} when not even `step` cells fit."""
+    from transmla.bench.llama_cpp import ik_memory
+
+    probe = lambda cells: ik_memory(path, cells, mla, fa, cache_type)  # noqa: E731
+    first = probe(4096)
+    per_cell = first["kv"] / 4096  # MiB; the cache alone bounds the search (never allocate past the budget)
+    lo, hi, best = 0, int(budget / per_cell) // step, {}
+    if memory_of(first) <= budget:
+        lo, best = 4096 // step, first
+    else:
+        hi = min(hi, 4096 // step - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = probe(mid * step)
+        if memory_of(found) <= budget:
+            lo, best = mid, found
+        else:
+            hi = mid - 1
+    return best
+
+
+def phase_memory(work: Path, names: list[str], budgets: list[int], cache_types: list[str]) -> None:
+    for name in names:
+        p = paths(work, name)
+        for cache_type in cache_types:
+            for label, path, mla, fa in runs(p, "ik"):
+                for budget in budgets:
+                    key = f"ik|{name}|{label}|{cache_type}|{budget}"
+                    before = os.getloadavg()
+                    log(f"memory {key}")
+                    record({"memory": {key: {"probe": longest_context(path, budget, mla, fa, cache_type),
+                                             "load_before": before, "load_after": os.getloadavg(), "machine": machine()}}})
+
+
 def phase_report() -> None:
     data = load_json(OUT_JSON)
     if not data:
@@ -219,6 +267,21 @@ def phase_report() -> None:
                     lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | "
                                  f"{row['decode_tps']:.1f} | {ratio} | {best} |")
         lines.append("")
+    if "memory" in data:
+        lines += ["## memory: the longest context in a RAM budget (peak RSS + reserved compute buffer)", "",
+                  "| model | run | KV | budget MiB | cells | vs source | 4K sequences | weights MiB | KV MiB | compute MiB | peak RSS MiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for key, entry in sorted(data["memory"].items(), key=lambda kv: (kv[0].split("|")[1], int(kv[0].split("|")[4]), kv[0])):
+            engine, name, label, cache_type, budget = key.split("|")
+            probe = entry["probe"]
+            if not probe:
+                lines.append(f"| {name} | {label} | {cache_type} | {budget} | none fits | | | | | | |")
+                continue
+            src = data["memory"].get(f"{engine}|{name}|source|{cache_type}|{budget}", {}).get("probe")
+            ratio = f"{probe['n_ctx'] / src['n_ctx']:.2f}x" if src and not label.startswith("source") else ""
+            lines.append(f"| {name} | {label} | {cache_type} | {budget} | {probe['n_ctx']} | {ratio} | {probe['n_ctx'] // 4096} | "
+                         f"{probe['weights']:.0f} | {probe['kv']:.0f} | {probe['compute']:.0f} | {probe['rss']:.0f} |")
+        lines.append("")
     OUT_MD.write_text("\n".join(lines))
     print(OUT_MD.read_text())
 
@@ -230,7 +293,7 @@ def ints(text: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "bench-ik")
-    ap.add_argument("--phase", choices=["export", "decode", "parallel", "prompt", "report"], required=True)
+    ap.add_argument("--phase", choices=["export", "decode", "parallel", "prompt", "memory", "report"], required=True)
     ap.add_argument("--models", default="smollm2-50", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--engine", choices=["ik", "mainline"], default="ik", help="mainline: the same shapes in llama.cpp (`--format gguf`)")
     ap.add_argument("--threads", default="1,2")
@@ -238,6 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="4096,16384,32768", help="decode: depths; parallel: prompt per sequence (4096,16384)")
     ap.add_argument("--parallel", default="4,8")
     ap.add_argument("--prompts", default="512,4096")
+    ap.add_argument("--budgets", default="1024,2048", help="memory: RAM budgets in MiB")
     ap.add_argument("--n-gen", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--runs", default="", help="comma-separated run labels to measure (default all), e.g. 'conversion flash-absorbed'")
@@ -248,6 +312,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown model {unknown[0]}; choose from {', '.join(MODELS)}")
     if args.phase == "export":
         phase_export(args.work, names)
+    elif args.phase == "memory":
+        phase_memory(args.work, names, ints(args.budgets), args.cache_types.split(","))
     elif args.phase != "report":
         phase_bench(args.work, names, args.phase, ints(args.threads), args.cache_types.split(","), args.engine,
                     ints(args.depths), ints(args.parallel), ints(args.prompts), args.n_gen, args.reps,

@@ -26,7 +26,7 @@ import torch
 import transformers
 from test_export_gguf import TOKENS, converted, relative_error, tiny_deepseek
 
-from transmla.bench.llama_cpp import IK, ik_kv_cache_report, llama_logits
+from transmla.bench.llama_cpp import IK, ik_kv_cache_report, ik_memory, llama_logits
 from transmla.export.engines import IK_FLASH_WIDTHS
 from transmla.export.errors import ExportError
 from transmla.export.gguf import IK as IK_GGUF
@@ -231,3 +231,29 @@ def test_ik_parallel_decode_equals_one_sequence(exported, mode, prompt):
     both, _ = llama_logits(result.path, tokens, "parallel", n_ctx=1024, build=IK, mla=mla_mode, flash_attn=flash, cache_type=cache)
     for seq in (0, 1):  # the 8 tokens decoded together (the prompts ran as prefill, not token by token)
         assert relative_error(both[seq][prompt:], torch.from_numpy(one[prompt:])) <= TOL, seq
+
+
+@pytest.mark.parametrize("mode", ["flash-mla", "gemm"])
+def test_ik_memory_reports_what_the_context_allocates(exported, mode):
+    """ik_memory (the memory phase of benchmarks/ik_llama_cpp): ik's own buffer sizes for a context of n
+    cells, the cache d_c + d_r f16 values per cell per layer (and, without flash attention, d_c more for
+    kv^T), growing with n while the weights stay; the peak RSS of the process that allocated them."""
+    result, mla, _ = exported("r64-c128")
+    mla_mode, flash, _ = MODES[mode]
+    layers = len(mla["rope_inv_freq"])
+    per_cell = (result.cache_elements + (0 if flash else mla["kv_lora_rank"])) * layers * 2 / 2**20  # MiB
+    small, large = (ik_memory(result.path, n, mla_mode, flash, "f16") for n in (4096, 8192))
+    for probe, cells in ((small, 4096), (large, 8192)):
+        assert probe["n_ctx"] == cells  # the cells ik made (it rounds small requests up: 1024 -> 2048 here)
+        assert probe["kv"] == pytest.approx(cells * per_cell, abs=0.0051)
+        assert probe["total"] == pytest.approx(sum(probe[k] for k in ("weights", "kv", "output", "compute")))
+        assert probe["rss"] > probe["kv"]
+    assert large["weights"] == small["weights"] > 0
+    assert large["rss"] > small["rss"]
+
+
+def test_ik_memory_fails_plainly_on_a_file_ik_cannot_load(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(RuntimeError, match="printed no weights buffer size"):
+        ik_memory(bad, 1024)

@@ -125,6 +125,45 @@ def ik_kv_cache_report(log: str) -> IKKVCacheReport:
     return IKKVCacheReport(float(mib), int(n_ctx.group(1)), kv_type, float(c_mib), float(kv_t_mib or 0))
 
 
+_IK_BUFFERS = {  # what ik_llama.cpp's loader and context print (MiB)
+    "weights": re.compile(r"llm_load_tensors: +CPU buffer size = +([\d.]+) MiB"),
+    "kv": re.compile(r"KV self size += +([\d.]+) MiB"),
+    "output": re.compile(r"CPU +output buffer size = +([\d.]+) MiB"),
+    "compute": re.compile(r"CPU compute buffer size = +([\d.]+) MiB"),
+}
+
+
+def ik_memory(gguf_path: str | Path, n_ctx: int, mla: int = 3, flash_attn: bool = True, cache_type: str = "f16",
+              threads: int = 1) -> dict:
+    """What ik_llama.cpp allocates for a context of n_ctx cells (shared by all sequences): its own buffer
+    sizes in MiB (weights, kv, output, compute and their total) and the process's peak RSS in MiB. The
+    vehicle is llama-perplexity: it loads the model and creates the context (the KV cache cleared, so
+    touched), then stops on a text too short to score (exit 1; any other failure raises). The RSS comes
+    from /usr/bin/time, whose child is forked from it: a child forked from this Python process would
+    count this process's RSS at the fork as its own peak (Linux keeps a process's peak across exec)."""
+    args = [llama_cpp_tool("llama-perplexity", IK), "-m", gguf_path, "-c", n_ctx, "-t", threads, "-mla", mla,
+            "-fa", int(flash_attn), "-ctk", cache_type, "-ctv", cache_type]
+    with tempfile.TemporaryDirectory() as tmp:
+        text, peak = Path(tmp) / "short.txt", Path(tmp) / "peak"
+        text.write_text("A text far too short to score.\n")
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(peak), *(str(a) for a in (*args, "-f", text))],
+                              capture_output=True, text=True, cwd=tmp)
+        out = proc.stdout + proc.stderr
+        rss_kib = int(peak.read_text().split()[-1]) if peak.exists() else 0
+    sizes = {}
+    for name, pattern in _IK_BUFFERS.items():
+        found = pattern.findall(out)
+        if not found:
+            tail = "\n".join(out.strip().splitlines()[-5:])
+            raise RuntimeError(f"llama-perplexity printed no {name} buffer size (exit {proc.returncode}): {tail}")
+        sizes[name] = sum(float(x) for x in found)
+    made = _IK_N_CTX.search(out)
+    if "you need at least" not in out or made is None:
+        raise RuntimeError(f"llama-perplexity did not stop where expected (exit {proc.returncode})")
+    # n_ctx: the cells ik made (it may round the request up)
+    return {**sizes, "total": sum(sizes.values()), "rss": rss_kib / 1024, "n_ctx": int(made.group(1))}
+
+
 def llama_tokenize(gguf_path: str | Path, text: str) -> list[int]:
     """Token ids llama.cpp gives `text` with this GGUF's vocabulary (adding BOS only if it says so)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
