@@ -54,10 +54,14 @@ def test_dry_run_of_the_fast_stages_writes_both_reports(gpu_check, tmp_path, mon
     monkeypatch.setattr(gpu_check, "check_prepared", lambda dest=prep: [])
     out = tmp_path / "out"
     rc = gpu_check.main(["--dry-run", "--out", str(out), "--work", str(tmp_path / "work"),
-                         "--stages", "environment,decode_bench"])
+                         "--stages", "environment,decode_bench,decode_tune"])
     report = json.loads((out / "gpu_check.json").read_text())
     assert rc == 0 and report["dry_run"]
-    assert set(report["stages"]) == {"environment", "decode_bench"}
+    assert set(report["stages"]) == {"environment", "decode_bench", "decode_tune"}
+    tune = report["stages"]["decode_tune"]
+    assert [x["label"] for x in tune["shapes"]] == [label for label, _ in gpu_check.tune_grid(True)]
+    for x in tune["shapes"]:  # the default is among the timed configs, and the best is no slower
+        assert 1 < x["configs"] <= gpu_check.TUNE_CONFIGS and x["best_ms"] <= x["default_ms"]
     bench = report["stages"]["decode_bench"]
     assert bench["ok"] and len(bench["rows"]) == len(gpu_check.decode_grid(True))
     for row in bench["rows"]:  # the ratios are what the numbers say
@@ -65,6 +69,7 @@ def test_dry_run_of_the_fast_stages_writes_both_reports(gpu_check, tmp_path, mon
         assert row["of_ideal"] == pytest.approx(row["speedup_vs_sdpa"] / row["bytes_ideal"])
     md = (out / "gpu_check.md").read_text()
     assert "DRY RUN" in md and "| decode_bench | pass |" in md and "| model | not run |" in md
+    assert "| decode_tune | pass |" in md and "## Launch search" in md
 
 
 def test_a_stage_that_raises_is_recorded_and_the_next_runs(gpu_check, tmp_path, monkeypatch):

@@ -27,6 +27,10 @@ the next one runs; stages that no longer fit --budget-s are skipped and said so)
                 transformers on the GPU in a process that never imports transmla: logits = native's
   finetune      the smoke recipe on the GPU in bf16 from the 25% model: loss falls, a checkpoint is
                 written, a stopped run resumes from it and finishes
+  decode_tune   the kernel's launch search (`transmla bench decode --tune`) at the goal's shapes (batch 8
+                and 32 at 16K, both head layouts), at most TUNE_CONFIGS configs each: the data to set
+                default_config from (it was chosen from compile-only reports; the one shape searched on
+                an H200 ran at 66% of copy with the search's choice against 41% with the default)
 
 Writes <out>/gpu_check.json and <out>/gpu_check.md after every stage (so a timeout keeps what ran).
 Exit code: 0 when every stage that ran passed, 1 otherwise, 2 for a bad set-up (no GPU, missing .gpu/).
@@ -240,6 +244,37 @@ def stage_decode_bench(ctx: Ctx) -> dict:
     return dict(copy_gbps=copy_gbps, rows=rows, goal=goal, ok=not errors and bool(rows))
 
 
+TUNE_CONFIGS = 24  # per shape: the search compiles each (a second or two apiece)
+
+
+def tune_grid(dry: bool):
+    """(label, shape kwargs) searched by decode_tune: the goal's shapes (batch >= 8, 16K)."""
+    if dry:
+        return [(label, kw) for label, kw in decode_grid(dry) if "B2 T128" in label]
+    return [(label, kw) for label, kw in decode_grid(dry) if label.endswith(("B8 T16K", "B32 T16K"))]
+
+
+def stage_decode_tune(ctx: Ctx) -> dict:
+    from transmla.bench import decode as db
+
+    device = db.require_cuda(ctx.dry)
+    copy_gbps = db.measure_copy_bandwidth(device)
+    warmup, rep = (1, 1) if ctx.dry else (10, 40)
+    shapes = []
+    for label, kw in tune_grid(ctx.dry):
+        best, rows = db.tune_mla_triton(db.DecodeShape(**kw), copy_gbps=copy_gbps, warmup=warmup, rep=rep,
+                                        dry_run=ctx.dry, max_configs=TUNE_CONFIGS)
+        timed = [r for r in rows if "error" not in r]
+        default = next((r for r in timed if r["is_default"]), None)
+        top = min(timed, key=lambda r: r["ms"]) if timed else None
+        shapes.append(dict(label=label, best=best, configs=len(rows), failed=len(rows) - len(timed),
+                           default_ms=default and default["ms"], default_fraction=default and default["bandwidth_fraction"],
+                           best_ms=top and top["ms"], best_fraction=top and top["bandwidth_fraction"]))
+        log(f"  {label}: default {_f(shapes[-1]['default_fraction'], '.0%')} of copy, best "
+            f"{_f(shapes[-1]['best_fraction'], '.0%')} with {best}")
+    return dict(copy_gbps=copy_gbps, shapes=shapes, ok=bool(shapes) and all(x["best_ms"] for x in shapes))
+
+
 def build_source(ctx: Ctx) -> Path:
     """SmolLM2-135M's architecture (its config, real tokenizer) with random weights, seed 0."""
     import torch
@@ -450,6 +485,7 @@ STAGES = [  # (name, function, seconds it needs at least on an H100)
     ("model", stage_model, 90),
     ("export", stage_export, 30),
     ("finetune", stage_finetune, 45),
+    ("decode_tune", stage_decode_tune, 60),
 ]
 
 
@@ -515,6 +551,13 @@ def render_markdown(report: dict) -> str:
               f"{ft['resumed_from']}): loss {ft['first_losses_mean']:.3f} -> {ft['last_losses_mean']:.3f} "
               f"(first and last quarter), held-out perplexity {_f(ft['start_perplexity'], '.5g')} -> "
               f"{_f(ft['final_perplexity'], '.5g')}, {ft['seconds']:.0f} s."]
+    tu = st.get("decode_tune")
+    if tu and "shapes" in tu:
+        L += ["", f"## Launch search (at most {TUNE_CONFIGS} configs per shape; copy {tu['copy_gbps']:.0f} GB/s)", "",
+              "| shape | default of copy | best of copy | best config | configs (failed) |", "|---|---|---|---|---|"]
+        for x in tu["shapes"]:
+            L.append(f"| {x['label']} | {_f(x['default_fraction'], '.1%')} | {_f(x['best_fraction'], '.1%')} | "
+                     f"{x['best']} | {x['configs']} ({x['failed']}) |")
     return "\n".join(L) + "\n"
 
 
