@@ -205,12 +205,16 @@ def decode_grid(dry: bool):
     return grid
 
 
-def stage_decode_bench(ctx: Ctx) -> dict:
+def _bench_setup(ctx: Ctx):
+    """(the decode bench module, the device, its copy bandwidth measured now, warmup and repetitions)."""
     from transmla.bench import decode as db
 
     device = db.require_cuda(ctx.dry)
-    copy_gbps = db.measure_copy_bandwidth(device)
-    warmup, rep = (1, 1) if ctx.dry else (10, 40)
+    return db, device, db.measure_copy_bandwidth(device), *((1, 1) if ctx.dry else (10, 40))
+
+
+def stage_decode_bench(ctx: Ctx) -> dict:
+    db, _, copy_gbps, warmup, rep = _bench_setup(ctx)
     rows = []
     for label, kw in decode_grid(ctx.dry):
         shape = db.DecodeShape(**kw)
@@ -255,11 +259,7 @@ def tune_grid(dry: bool):
 
 
 def stage_decode_tune(ctx: Ctx) -> dict:
-    from transmla.bench import decode as db
-
-    device = db.require_cuda(ctx.dry)
-    copy_gbps = db.measure_copy_bandwidth(device)
-    warmup, rep = (1, 1) if ctx.dry else (10, 40)
+    db, _, copy_gbps, warmup, rep = _bench_setup(ctx)
     shapes = []
     for label, kw in tune_grid(ctx.dry):
         best, rows = db.tune_mla_triton(db.DecodeShape(**kw), copy_gbps=copy_gbps, warmup=warmup, rep=rep,
