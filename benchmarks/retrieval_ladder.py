@@ -90,6 +90,12 @@ repeated spans per sequence (as the 25% default since cli-25+fit-repeat2) instea
 repeats two spans at every budget only if, against rope-64+fit-repeat (today's 50% default, 0.350 / 21,
 dev32 26.92), its key NLL is no higher (0.350 or lower), its exact matches no fewer (21 or more) and its
 dev32 at most 1% above (27.19 or lower); otherwise 50% keeps one span.
+
+cli-25+fit-mb1024 (issue 36; session of 2026-11-27 morning, written before measuring): today's 25% fit (200
+Adam steps from lr 1e-3, two repeated spans) with one sequence of 1024 tokens per Adam step instead of two
+(FitSettings.minibatch_tokens 1024): the same number of updates at half the cost of each. It replaces the
+CLI's only at today's quality, the FAST rule against cli-25+fit-repeat2: dev32 at most 1% above 43.05
+(43.48), key NLL at most 5% of the gap to the source above 1.065 (1.103), at least 15 exact.
 """
 
 from __future__ import annotations
@@ -184,6 +190,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-25+fit-q256": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": True,
                          "fit_settings": dict(steps=200, lr=1e-3, queries=256)}, {},
                         "cli-25+fit-repeat with Adam's loss on 256 sampled query positions per sequence (of 1024)"),
+    "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
+                           "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
+                          "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
 }
 # Variants measured on a conversion the CLI wrote (its "saved" folder, under the repository root).
 ROOT = Path(__file__).resolve().parent.parent
