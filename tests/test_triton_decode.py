@@ -356,4 +356,5 @@ def test_bench_dry_run_plumbing():
     for r in rows:
         assert r["ms"] > 0 and r["bandwidth_fraction"] > 0 and "gpu" in r and "triton_version" in r
         assert r["x_vs_mla_triton"] > 0
+        assert r["ms_graph"] is None and r["bandwidth_fraction_graph"] is None  # CUDA graphs: a GPU's only
     assert rows[0]["config"]["block_n"] == 16

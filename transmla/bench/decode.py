@@ -117,6 +117,22 @@ def _do_bench(fn, warmup: int, rep: int, device: torch.device | None = None) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def _do_bench_graph(fn, rep: int, device: torch.device) -> float | None:
+    """Median milliseconds of fn() replayed from a CUDA graph (triton.testing.do_bench_cudagraph: the
+    calls are captured once, so no Python or launch overhead is timed, as in a server that replays
+    its decode step from a graph); None on the CPU or when fn cannot be captured. The graph holds
+    many calls, each capturing the next input set of fn's rotation, so replays still stream the cache
+    from memory rather than from L2."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    except Exception:  # a call that syncs or cannot be captured: the plain timing stands alone
+        return None
+
+
 def _empty_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -259,10 +275,11 @@ def _time_impl(impl, s, device, triton_kwargs, warmup, rep, seed):
     fn = _make_fn(impl, s, sets, triton_kwargs, device)
     try:
         ms = _do_bench(fn, warmup, rep, device)
+        ms_graph = _do_bench_graph(fn, rep, device)
     finally:
         del fn, sets
         _empty_cache(device)
-    return ms, traffic
+    return ms, ms_graph, traffic
 
 
 def bench_decode(
@@ -279,7 +296,8 @@ def bench_decode(
     """Time one decode step per implementation; one dict row each.
 
     Row keys: impl, the shape, bytes / kv_bytes / flops (per step), ms (median), gbps, tflops,
-    copy_gbps (measured when not given), bandwidth_fraction = gbps / copy_gbps, the GPU and
+    copy_gbps (measured when not given), bandwidth_fraction = gbps / copy_gbps, ms_graph and
+    bandwidth_fraction_graph (the same step replayed from a CUDA graph; None on the CPU), the GPU and
     versions, and time ratios: `x_vs_mla_triton` = this impl's time / the Triton kernel's time
     (how many times slower than the kernel); for mla_triton also its launch config.
     """
@@ -294,8 +312,9 @@ def bench_decode(
         copy_gbps = measure_copy_bandwidth(device)
     rows = []
     for impl in impls:
-        ms, traffic = _time_impl(impl, shape, device, triton_kwargs, warmup, rep, seed)
-        extra = {}
+        ms, ms_graph, traffic = _time_impl(impl, shape, device, triton_kwargs, warmup, rep, seed)
+        extra = {"ms_graph": ms_graph, "bandwidth_fraction_graph":
+                 traffic["bytes"] / (ms_graph * 1e-3) / 1e9 / copy_gbps if ms_graph and copy_gbps else None}
         if impl == "mla_triton":
             from transmla.mla.kernels.triton_decode import default_config
 
