@@ -177,8 +177,9 @@ def report(data: dict) -> None:
         + "; ".join(f"{role}: `{data[_convert_key(*b)]['command']}`" if _convert_key(*b) in data else role
                     for role, b in MODELS.items() if b is not None)
         + "; " + ", ".join(EARLIER[:3]) + ": the same commands before the output fit moved from 1024 x 64 to 64 x 1024 "
-        f"tokens (issue 34); {EARLIER[3]}: the 25% command before the fit's sequences had one span repeated later "
-        "in each (issue 34)"
+        f"tokens (issue 34); {EARLIER[3]}, {EARLIER[4]}: the 25% and 50% commands before the fit's sequences had a "
+        f"span repeated later in each (issue 34); {EARLIER[5]}: the 25% command while its fit repeated one span per "
+        "sequence (two since 2026-11-27; 50% repeats one)"
         + "".join(f"; {role}: the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
                   "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps "
                   "of 1024 wiki tokens)" for role in HEALED if merged(data, role) is not None) + ".",
