@@ -398,8 +398,13 @@ of 1024 per sequence (cli-25+fit-q256, 1277 s against 2655 s) fails its rule on 
 dev32 43.43 (+1.9%): halving the fit's time this way costs what the layer-level screen did not show (each
 layer's held-out error was within 2%; over 30 layers it compounds). Two spans of 32-128 tokens
 (cli-25+fit-repeat2) give 1.065 / 16 (more exact keys than the source's 15), dev32 43.05 (+1.0%), 2208 s:
-they pass the 25% rule, so the CLI's fit repeats two spans of each sequence at 25% of the cache and below
-(convert/pipeline.repeated_spans) and one above (50% with two not measured)."""
+they pass the 25% rule, so the CLI's fit repeated two spans of each sequence at 25% of the cache and below,
+one above; on the test table that 25% default finds 8 / 1 / 2 / 0 of 9 at 1K-8K, 11 of 36 against the
+source's 12 (one span: 7), wiki-test 32 33.53 (+0.9%).
+
+Session of 2026-11-27 morning (50%, against rope-64+fit-repeat's 0.350 / 21, dev32 26.92): two repeated spans
+(rope-64+fit-repeat2) give 0.320 / 23, dev32 26.95 (+0.1%), 3131 s: they pass the rule written before, so
+the CLI's fit repeats two spans at every budget (convert/pipeline.REPEATED_SPANS)."""
 
 
 def report(results: dict) -> str:

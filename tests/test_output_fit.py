@@ -282,23 +282,17 @@ def test_the_fit_reads_the_source_attention_io_of_its_layer(tiny_factory, family
         torch.testing.assert_close(z, want_z, atol=1e-5, rtol=1e-5)
 
 
-def test_fit_sequences_repeat_spans_by_the_cache_fraction_kept():
-    """The CLI's fit sequences: two repeated spans at 25% of the cache and below, one above (chosen on dev
-    keys); fit_sequences is calibration_ids' sequences with that many spans repeated, on the built-in model."""
+def test_fit_sequences_repeat_two_spans():
+    """The CLI's fit sequences: calibration_ids' sequences with REPEATED_SPANS spans of each repeated later
+    (two: chosen on dev keys at 25% and at 50%), on the built-in model."""
     from transmla.checkpoint.resolve import resolve_model_dir
-    from transmla.convert.pipeline import calibration_ids, fit_sequences, plan_cache_fraction, repeated_spans
+    from transmla.convert.pipeline import REPEATED_SPANS, calibration_ids, fit_sequences
     from transmla.data.calib import with_repeated_span
-    from transmla.families import attention_geometry
 
-    assert [repeated_spans(f) for f in (0.125, 0.25, 0.26, 0.5, 1.0, None)] == [2, 2, 1, 1, 1, 1]
+    assert REPEATED_SPANS == 2
     src = resolve_model_dir("smollm2-135m")
-    geometry = attention_geometry(AutoConfig.from_pretrained(src))  # 3 KV heads of 64: 384 per token
-    method = get_method("transmla")
-    for budget, spans in ((0.25, 2), (0.5, 1)):
-        plan = method.plan(geometry, ConvertOptions.of("transmla", kv_budget=budget, shared_rope=True).settings)
-        assert plan_cache_fraction(plan, geometry) == pytest.approx(budget)
-        assert repeated_spans(plan_cache_fraction(plan, geometry)) == spans
-    got = fit_sequences(src, "wiki", 7, spans=2)
+    got = fit_sequences(src, "wiki", 7)
     plain = calibration_ids(src, "wiki", *got.shape, 7)
-    assert torch.equal(got, with_repeated_span(plain, 7, spans=2)) and not torch.equal(got, plain)
-    assert torch.equal(fit_sequences(src, "wiki", 7), with_repeated_span(plain, 7))
+    assert torch.equal(got, with_repeated_span(plain, 7, spans=2))
+    assert not torch.equal(got, with_repeated_span(plain, 7)) and not torch.equal(got, plain)
+    assert torch.equal(fit_sequences(src, "wiki", 7, spans=1), with_repeated_span(plain, 7))

@@ -57,30 +57,18 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
     return calibration_chunks(tokenizer, text, samples, seq_len, seed)
 
 
-def repeated_spans(cache_fraction: float | None) -> int:
-    """How many spans of each fit sequence are repeated later (data.calib.with_repeated_span), by the
-    fraction of the source's KV cache the conversion keeps. Chosen on dev keys and dev32
-    (benchmarks/results/retrieval_ladder.md): two at 25% and below (cli-25+fit-repeat2; four read keys
-    better still but cost more perplexity than its rule allowed), one above (50%: rope-64+fit-repeat;
-    two not measured there)."""
-    return 2 if cache_fraction is not None and cache_fraction <= 0.25 + 1e-9 else 1
+# Spans of each fit sequence repeated later (data.calib.with_repeated_span), chosen on dev keys and dev32
+# (benchmarks/results/retrieval_ladder.md): two at 25% (cli-25+fit-repeat2; four read keys better still
+# but cost more perplexity than its rule allowed) and at 50% (rope-64+fit-repeat2).
+REPEATED_SPANS = 2
 
 
-def plan_cache_fraction(plan, geometry) -> float | None:
-    """The plan's cached elements per token per layer (latent + rope key) over the source's; None when
-    the plan does not say (no kv_lora_rank)."""
-    latent = getattr(plan, "kv_lora_rank", None)
-    if latent is None:
-        return None
-    return (latent + (getattr(plan, "rope_dim", 0) or 0)) / geometry.kv_elements_per_token_per_layer
-
-
-def fit_sequences(source_dir: Path, text: str, seed: int, spans: int = 1) -> torch.Tensor:
+def fit_sequences(source_dir: Path, text: str, seed: int, spans: int = REPEATED_SPANS) -> torch.Tensor:
     """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or what a short
     text has: the count halved until they fit (down to one per text of a mix), then the length, down
     to 16 tokens; the first error when even that does not fit. In each, `spans` spans are repeated
     later (data.calib.with_repeated_span: the fit sees the source read back far, as retrieval does;
-    how many: repeated_spans)."""
+    how many: REPEATED_SPANS)."""
     from ..data.calib import calibration_mix, with_repeated_span
 
     samples, seq_len = DEFAULT_FIT_CALIBRATION
@@ -143,7 +131,7 @@ class LayerStream:
                 fit_ids = self.calib_ids
             spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
-                spans = repeated_spans(plan_cache_fraction(self.plan, self.geometry))
+                spans = REPEATED_SPANS
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans)
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": self.fit.steps, "lr": self.fit.lr, "closed_form": self.fit.closed_form,
