@@ -61,8 +61,8 @@ HEALED = {
 EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 64", "transmla 25% exportable, fit 1024 x 64",
            # before the fit sequences had a span repeated in them (issue 34: cli-25+fit-repeat in retrieval_ladder)
            "transmla 25% exportable, fit without repeats", "transmla 50% exportable, fit without repeats",
-           # one span repeated per fit sequence at 25% (two since 2026-11-27: retrieval_ladder cli-25+fit-repeat2)
-           "transmla 25% exportable, one repeated span")
+           # one span repeated per fit sequence (two since 2026-11-27: retrieval_ladder cli-25+fit-repeat2, rope-64+fit-repeat2)
+           "transmla 25% exportable, one repeated span", "transmla 50% exportable, one repeated span")
 
 
 def cpu_name() -> str:
@@ -178,8 +178,8 @@ def report(data: dict) -> None:
                     for role, b in MODELS.items() if b is not None)
         + "; " + ", ".join(EARLIER[:3]) + ": the same commands before the output fit moved from 1024 x 64 to 64 x 1024 "
         f"tokens (issue 34); {EARLIER[3]}, {EARLIER[4]}: the 25% and 50% commands before the fit's sequences had a "
-        f"span repeated later in each (issue 34); {EARLIER[5]}: the 25% command while its fit repeated one span per "
-        "sequence (two since 2026-11-27; 50% repeats one)"
+        f"span repeated later in each (issue 34); {EARLIER[5]}, {EARLIER[6]}: the 25% and 50% commands while their fit "
+        "repeated one span per sequence (two since 2026-11-27)"
         + "".join(f"; {role}: the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
                   "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps "
                   "of 1024 wiki tokens)" for role in HEALED if merged(data, role) is not None) + ".",
