@@ -11,7 +11,8 @@ latent 128 or 256: the widths its flash attention has kernels for, `transmla ins
 
 --models picks from MODELS (default: the built-in at 50%; qwen2.5-coder-1.5b needs `make qwen2`).
 Phases resume: results merge into benchmarks/results/ik_llama_cpp.json, each row with the machine and
-its load average before and after. Written, not yet run: the lead decides when heavy benchmarks run.
+its load average before and after. Run so far: decode (one thread, 4K and 16K), prompt (one thread) and memory; not yet
+parallel, two threads, 32K, the 1.5B or mainline at these shapes.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
