@@ -404,7 +404,9 @@ source's 12 (one span: 7), wiki-test 32 33.53 (+0.9%).
 
 Session of 2026-11-27 morning (50%, against rope-64+fit-repeat's 0.350 / 21, dev32 26.92): two repeated spans
 (rope-64+fit-repeat2) give 0.320 / 23, dev32 26.95 (+0.1%), 3131 s: they pass the rule written before, so
-the CLI's fit repeats two spans at every budget (convert/pipeline.REPEATED_SPANS)."""
+the CLI's fit repeats two spans at every budget (convert/pipeline.REPEATED_SPANS). One sequence per Adam
+step instead of two (cli-25+fit-mb1024, issue 36) converts in 1477 s against 2208 s (-33%) but gives 1.242 / 11,
+dev32 44.61 (+3.6%): rejected by its FAST rule (1.103, 15, 43.48); the fit's Adam steps want their 2048 tokens."""
 
 
 def report(results: dict) -> str:
