@@ -246,8 +246,12 @@ def _make_fn(impl: str, s: DecodeShape, sets, triton_kwargs: dict | None, device
     raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
 
 
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 def _row(impl, s: DecodeShape, ms, traffic, copy_gbps, env, extra=None) -> dict:
-    gbps = traffic["bytes"] / (ms * 1e-3) / 1e9
+    gbps = _gbps(traffic["bytes"], ms)
     row = dict(
         impl=impl, batch=s.batch, context=s.context, heads=s.heads, t_q=s.t_q,
         kv_lora_rank=s.kv_lora_rank, rope_dim=s.rope_dim, gqa_kv_heads=s.gqa_kv_heads,
@@ -314,7 +318,7 @@ def bench_decode(
     for impl in impls:
         ms, ms_graph, traffic = _time_impl(impl, shape, device, triton_kwargs, warmup, rep, seed)
         extra = {"ms_graph": ms_graph, "bandwidth_fraction_graph":
-                 traffic["bytes"] / (ms_graph * 1e-3) / 1e9 / copy_gbps if ms_graph and copy_gbps else None}
+                 _gbps(traffic["bytes"], ms_graph) / copy_gbps if ms_graph and copy_gbps else None}
         if impl == "mla_triton":
             from transmla.mla.kernels.triton_decode import default_config
 
