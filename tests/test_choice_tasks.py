@@ -71,19 +71,6 @@ def test_recall_items_state_each_fact_once_far_from_the_question(tmp_path):
         assert len(item.context) > 200
 
 
-def test_batched_loglik_equals_one_candidate_at_a_time(tmp_path):
-    """Right-padding the candidates of one batch changes no score (causal attention never reaches it)."""
-    net = make_tiny_model("llama", vocab_size=len(VOCAB))
-    context, cands = [3, 7, 11, 5, 2], [[4], [9, 10, 12], [1, 1]]
-    batched = ct.candidate_loglik(net, context, cands)
-    for cand, value in zip(cands, batched):
-        ids = torch.tensor([context + cand])
-        with torch.no_grad():
-            logp = torch.log_softmax(net(ids).logits[0].float(), -1)
-        alone = sum(logp[len(context) - 1 + k, t].item() for k, t in enumerate(cand))
-        assert value == pytest.approx(alone, abs=1e-4)
-
-
 def test_score_items_is_the_argmax_of_the_log_likelihoods(tmp_path, monkeypatch):
     items = [ct.ChoiceItem([1], [[2], [3, 4]], 0, [10, 2]), ct.ChoiceItem([1], [[2], [3, 4]], 1, [10, 2])]
     monkeypatch.setattr(ct, "candidate_loglik", lambda net, context, cands: [-4.0, -6.0])
@@ -102,6 +89,23 @@ def choice_model(tmp_path_factory):
 
     convert(str(root / "src"), root / "mla", ConvertOptions.of(method="lossless"), progress=False)
     return root
+
+
+@pytest.mark.parametrize("which", ["src", "mla"])
+def test_cached_loglik_equals_one_full_pass_per_candidate(choice_model, which):
+    """The context's cache (the latent cache for the MLA model), repeated per candidate and fed the
+    right-padded candidates, gives each candidate's sum of one full pass without a cache."""
+    from transmla.checkpoint.resolve import load_model
+
+    net, _ = load_model(str(choice_model / which), dtype=torch.float32)
+    context = [3, 7, 11, 5, 2, 8, 13, 6]
+    for cands in ([[4], [9, 10, 12], [1, 1], [14, 2, 9, 3]], [[4], [9]]):  # the second: no step after the context
+        cached = ct.candidate_loglik(net, context, cands)
+        for cand, value in zip(cands, cached):
+            with torch.no_grad():
+                logp = torch.log_softmax(net(torch.tensor([context + cand])).logits[0].float(), -1)
+            alone = sum(logp[len(context) - 1 + k, t].item() for k, t in enumerate(cand))
+            assert value == pytest.approx(alone, rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("task", ["cloze", "recall"])
