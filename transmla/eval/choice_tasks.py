@@ -157,7 +157,6 @@ def candidate_loglik(net, context: Sequence[int], candidates: Sequence[Sequence[
     scores = [first[cand[0]].item() for cand in candidates]
     if width == 0:
         return scores
-    cache = out.past_key_values
     cache.batch_repeat_interleave(len(candidates))
     ids = torch.zeros(len(candidates), width, dtype=torch.long)
     for b, cand in enumerate(candidates):

@@ -87,9 +87,8 @@ def measure_cache(
             out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True)  # prefill: T tokens cached
             for _ in range(new_tokens):
                 nxt = out.logits[:, -1:].argmax(-1)  # [1, 1] greedy
-                out = model(input_ids=nxt, **cache_kwargs(out.past_key_values), use_cache=True)
-        cache = out.past_key_values
-        cached = int(cache.get_seq_length())
+                out = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True)
+        cached = int(cache.get_seq_length())  # the cache passed in, filled in place
         dtype = next(model.parameters()).dtype
     finally:
         if mla and decode is not None:
