@@ -94,7 +94,7 @@ class StageClock:
         if variants:
             fit_layer = pipeline.fit_layer
 
-            def fit_with_variants(config, layer, x, z, settings, index=0):
+            def fit_with_variants(config, layer, x, z, settings, index=0, source_attention=None):
                 if index in VARIANT_LAYERS:
                     counted = dict(self.seconds)  # the variants' own stages are not the conversion's
                     for name, tokens, bf16 in FIT_VARIANTS:
@@ -105,7 +105,7 @@ class StageClock:
                         self.variants.append({"layer": index, "setting": name, "seconds": time.perf_counter() - start,
                                               "output_error": info["output_error"], "fit_lr": info.get("fit_lr")})
                     self.seconds = counted
-                return fit_layer(config, layer, x, z, settings, index)
+                return fit_layer(config, layer, x, z, settings, index, source_attention)
 
             undo.append((pipeline, "fit_layer", fit_layer))
             pipeline.fit_layer = fit_with_variants

@@ -186,8 +186,8 @@ def fitted_layers(b: Bench, layers, fit: FitSettings, samples: int = FIT_SHAPE[0
     ids = fit_ids(b, samples)
     infos: list[dict] = []
 
-    def fit_one(i, layer, x, z):
-        fitted, info = fit_layer(b.config, layer, x, z, fit)
+    def fit_one(i, layer, x, z, attend):
+        fitted, info = fit_layer(b.config, layer, x, z, fit, i, attend)
         infos.append(info)
         return fitted
 

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transmla.convert import output_fit
 from transmla.convert.calibrate import mla_attention
 from transmla.convert.layers import source_layers
+from transmla.convert.qk_norm import attach_pre_maps, linear_source
 from transmla.convert.options import ConvertOptions
 from transmla.convert.output_fit import FitSettings, fit_layer, output_error, refit_o_proj_errors
 from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
@@ -268,18 +269,20 @@ def test_the_fit_reads_the_source_attention_io_of_its_layer(tiny_factory, family
     fit_ids = _ids(6, 3, 16)
     got = {}
 
-    def record(i, layer, x, z):
-        got[i] = (x, z)
+    def record(i, layer, x, z, attend):
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None, None]
+        got[i] = (x, z, attend(x, causal))  # under a causal mask given as a tensor: z again
         return layer
 
     for _ in calibrated_layers(path, config, _ids(1, 4, 16), lambda i, src, st: replicate(src),
                                fit_ids=fit_ids, fit_layer=record, progress=False):
         pass
     assert sorted(got) == list(range(config.num_hidden_layers))
-    for i, (x, z) in got.items():
+    for i, (x, z, attended) in got.items():
         want_x, want_z = _source_io(source, i, fit_ids)
         torch.testing.assert_close(x, want_x, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(z, want_z, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attended, want_z, atol=1e-5, rtol=1e-5)
 
 
 def test_fit_sequences_repeat_two_spans():
@@ -296,3 +299,74 @@ def test_fit_sequences_repeat_two_spans():
     assert torch.equal(got, with_repeated_span(plain, 7, spans=2))
     assert not torch.equal(got, with_repeated_span(plain, 7)) and not torch.equal(got, plain)
     assert torch.equal(fit_sequences(src, "wiki", 7, spans=1), with_repeated_span(plain, 7))
+
+
+def test_far_mask_sees_only_keys_far_back():
+    """Query i sees keys 1 .. i - far (the sink, key 0, never), within a window when there is one; a row
+    without such a key sees itself only."""
+    m = output_fit.far_mask(8, 3)
+    for i in range(8):
+        want = {i} if i < 4 else set(range(1, i - 2))
+        assert set(torch.nonzero(m[i]).flatten().tolist()) == want, i
+    w = output_fit.far_mask(10, 2, window=4)
+    assert set(torch.nonzero(w[9]).flatten().tolist()) == {6, 7}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_far_targets_of_an_exact_layer_equal_its_far_outputs(tiny_factory, family):
+    """The source attention under far_mask (through calibrated_layers' `attend`) and an exact MLA layer's
+    outputs_at under the same keys agree (fp32, 1e-5): the far loss of an exact layer is zero, so the far
+    target is the same attention read from far back on both sides. QK-norm (gemma3) included."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    _, path = tiny_factory(family)
+    config = AutoConfig.from_pretrained(path)
+    fit_ids, far = _ids(4, 3, 24), 5
+    pairs = {}
+
+    def record(i, layer, x, z, attend):
+        attn = mla_attention(config, layer, "cpu", i)
+        at = torch.arange(far + 1, x.shape[1])
+        seen = output_fit.far_mask(x.shape[1], far, attn.config.window(i))[far + 1 :]
+        with torch.no_grad():
+            pairs[i] = (output_fit.far_targets(attend, x, far, attn.config.window(i), 2), attn.outputs_at(x, at, seen))
+        return layer
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
+                               fit_ids=fit_ids, fit_layer=record, progress=False):
+        pass
+    assert sorted(pairs) == list(range(config.num_hidden_layers))
+    for i, (target, out) in pairs.items():
+        assert target.shape == out.shape == (3, 24 - far - 1, config.hidden_size)
+        torch.testing.assert_close(out, target, atol=1e-5 * float(target.abs().max()), rtol=1e-5)
+
+
+def test_far_fit_lowers_the_far_error(tiny_factory):
+    """Adam with the far term (FitSettings.far) brings a compressed layer's far-only outputs closer to the
+    source's than the fit without it does, and refuses to run without the source attention."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    _, stream = _stream(path, None)
+    layers = list(stream)
+    far, errors = 6, {}
+
+    def record(i, layer, x, z, attend):
+        if i == 0:
+            at = torch.arange(far + 1, x.shape[1])
+            seen = output_fit.far_mask(x.shape[1], far)[far + 1 :]
+            target = output_fit.far_targets(attend, x, far, 0, 8)
+            for name, settings in (("plain", FitSettings(steps=80)), ("far", FitSettings(steps=80, far=far, far_weight=4.0))):
+                fitted, _ = fit_layer(config, layer, x.clone(), z.clone(), settings, 0, attend)
+                with torch.no_grad():
+                    out = mla_attention(config, fitted, "cpu").outputs_at(x, at, seen)
+                errors[name] = float((out - target).pow(2).sum() / target.pow(2).sum())
+            with pytest.raises(ValueError, match="source attention"):
+                fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, far=far))
+        return layer
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,
+                               fit_layer=record, progress=False):
+        pass
+    assert errors["far"] < errors["plain"], errors

@@ -133,9 +133,10 @@ def calibrated_layers(
 
     calib_ids [N, T]. propagate: the hidden states fed to layer i+1 come from the original
     layer i ("original") or from its converted MLA form ("converted").
-    fit_ids [N', T'] and fit_layer: after converting layer i, fit_layer(i, layer, x, z) returns the
+    fit_ids [N', T'] and fit_layer: after converting layer i, fit_layer(i, layer, x, z, attend) returns the
     layer to keep, x [N', T', D] being the attention input of the fit sequences (propagated like the
-    calibration tokens) and z the source attention's output on x (output_fit.py). It runs outside
+    calibration tokens), z the source attention's output on x and attend(x, mask) the source attention
+    under another mask (output_fit.py). It runs outside
     inference mode (it may train), on float32 copies.
     """
     if propagate not in PROPAGATIONS:
@@ -169,7 +170,7 @@ def calibrated_layers(
             if fit_layer is not None and propagate == "converted":  # the source attention's io before it is replaced
                 x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1], batch_size)
                 with torch.inference_mode(False):
-                    converted = fit_layer(i, converted, x.clone(), z.clone())
+                    converted = fit_layer(i, converted, x.clone(), z.clone(), _masked_attention(layer, views[1][0], streams[1][1]))
                 layer.self_attn = mla_attention(config, converted, device, i)
             seen: list[tuple[torch.Tensor, torch.Tensor]] = []
             for k, ((h_all, h_pos), (cos_sin, mask)) in enumerate(zip(streams, views)):
@@ -189,9 +190,17 @@ def calibrated_layers(
                 x, z = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])  # [N', T', D] each
                 del seen
                 with torch.inference_mode(False):
-                    converted = fit_layer(i, converted, x.clone(), z.clone())
+                    converted = fit_layer(i, converted, x.clone(), z.clone(), _masked_attention(layer, views[1][0], streams[1][1]))
             yield converted
             del layer
+
+
+def _masked_attention(layer, cos_sin, position_ids):
+    """The source layer's attention on its input x [n, T, D] under a given mask [1, 1, T, T] (bool, True = attend)."""
+    def attend(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(False), torch.no_grad():
+            return layer.self_attn(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=position_ids)[0]
+    return attend
 
 
 def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

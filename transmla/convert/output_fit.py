@@ -70,6 +70,32 @@ class FitSettings:
     # so 1 (the CLI's, measured so) also backs off runs that would recover; Qwen2.5-1.5B's diverging layers
     # stayed at 3x-60x.
     diverged: float = 1.0
+    # far > 0: Adam's loss also compares, at every query at least far + 1 tokens in, the attention over the
+    # keys at least `far` tokens back only (the first, sink token left out; softmax renormalised over them,
+    # far_mask): what the source reads from far back, which the all-keys loss barely weighs because most of
+    # each query's attention stays near. Weighted by far_weight, relative to that target's own scale.
+    far: int = 0
+    far_weight: float = 1.0
+
+
+def far_mask(T: int, far: int, window: int = 0, device=None) -> torch.Tensor:
+    """[T, T] bool (True = attend): query i sees keys 1 <= j <= i - far (within a sliding window of
+    `window`, if any). A row with no such key sees itself only (SDPA needs one key; the far loss
+    scores rows far + 1 .. T - 1 only, which all have one)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    mask = (j >= 1) & (j <= i - far)
+    if window:
+        mask &= j > i - window
+    return mask | ((j == i) & ~mask.any(dim=1, keepdim=True))
+
+
+def far_targets(source_attention, x: torch.Tensor, far: int, window: int, batch: int) -> torch.Tensor:
+    """The source attention's far-only output (far_mask) at positions far + 1 .. T - 1: [N, T - far - 1, D]."""
+    T = x.shape[1]
+    mask = far_mask(T, far, window, x.device)[None, None]  # [1, 1, T, T]
+    with torch.no_grad():
+        return torch.cat([source_attention(x[s : s + batch], mask)[:, far + 1 :] for s in range(0, x.shape[0], batch)])
 
 
 def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None):
@@ -147,13 +173,18 @@ def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_
 
 
 def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
-              settings: FitSettings, lr: float, check: bool) -> bool:
+              settings: FitSettings, lr: float, check: bool, z_far: torch.Tensor | None = None) -> bool:
     """`settings.steps` Adam steps at `lr`, in place; with `check`, False (stopped) when the loss has
-    not come back below its start by the check step (see adam_fit)."""
+    not come back below its start by the check step (see adam_fit). z_far: far_targets' [N, T - far - 1, D]."""
     params = list(attn.parameters())
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(settings.seed)
     scale = z.pow(2).mean()
+    if z_far is not None:
+        T, far = x.shape[1], settings.far
+        far_at = torch.arange(far + 1, T, device=x.device)  # [T - far - 1] scored query positions
+        far_seen = far_mask(T, far, attn.config.window(attn.layer_idx), x.device)[far + 1 :]  # [T - far - 1, T]
+        far_scale = z_far.pow(2).mean()
     losses: list[float] = []
     check_at = max(2 * DIVERGENCE_WINDOW, settings.steps // 4) if check else 0
     with torch.enable_grad():
@@ -165,6 +196,10 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
                 out, target = _outputs(attn, x[pick], z[pick], position_ids, at)
             loss = (out.float() - target).pow(2).mean() / scale
+            if z_far is not None:
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+                    out_far = attn.outputs_at(x[pick], far_at, far_seen)  # [batch, T - far - 1, D]
+                loss = loss + settings.far_weight * (out_far.float() - z_far[pick]).pow(2).mean() / far_scale
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
                 start = losses[0]
@@ -176,7 +211,8 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
     return True
 
 
-def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int, settings: FitSettings) -> float:
+def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int, settings: FitSettings,
+             z_far: torch.Tensor | None = None) -> float:
     """Step 2: Adam on every parameter of `attn` against the relative squared output error, in place;
     returns the learning rate that ran. Adam's first steps move every weight by about lr whatever
     the weights' scale, so a rate that suits one model throws another's weights around:
@@ -191,12 +227,12 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
     lr = settings.lr
     try:
         for _ in range(MAX_BACKOFFS):
-            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True):
+            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True, z_far=z_far):
                 return lr
             with torch.no_grad():
                 attn.load_state_dict(start)
             lr /= BACKOFF
-        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False)  # the last one runs through
+        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False, z_far=z_far)  # the last one runs through
         return lr
     finally:
         for p in attn.parameters():
@@ -204,12 +240,13 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
 
 
 def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
-              settings: FitSettings, index: int = 0) -> tuple[MLALayer, dict]:
+              settings: FitSettings, index: int = 0, source_attention=None) -> tuple[MLALayer, dict]:
     """One converted layer fitted to the source attention's output.
 
     config: the source's; layer: the method's MLA layer; x [N, T, D]: the fit sequences' attention
     input (float32, not inference tensors); z [N, T, D]: the source attention's output on x.
-    index: the source layer (its sliding window, if any, applies).
+    index: the source layer (its sliding window, if any, applies). source_attention(x [n, T, D],
+    mask [1, 1, T, T] bool) -> [n, T, D]: the source attention under a mask (settings.far needs it).
     Returns the fitted layer (same shapes) and {"output_error": [before, after]} (relative, on x), with
     "fit_lr", Adam's learning rate after any backoff, when Adam ran.
     """
@@ -231,7 +268,14 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
     if settings.steps:
         if after < best_error - ERROR_NOISE:  # step 1 alone is a candidate too
             best, best_error = layer_of(attn, layer), after
-        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings)
+        z_far = None
+        if settings.far:
+            if source_attention is None:
+                raise ValueError("FitSettings.far needs the source attention (fit_layer's source_attention)")
+            if settings.far + 1 >= T:
+                raise ValueError(f"FitSettings.far ({settings.far}) must be below the fit sequences' length - 1 ({T - 1})")
+            z_far = far_targets(source_attention, x, settings.far, attn.config.window(index), batch)
+        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far)
         after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at)
     if after < best_error - ERROR_NOISE:
         best, best_error = layer_of(attn, layer), after
@@ -243,5 +287,5 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
     return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
-__all__ = ["DEFAULT_FIT_CALIBRATION", "FitSettings", "fit_layer", "layer_of", "output_error", "refit_o_proj",
+__all__ = ["DEFAULT_FIT_CALIBRATION", "FitSettings", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error", "refit_o_proj",
            "refit_o_proj_errors"]

@@ -150,8 +150,8 @@ class LayerStream:
                 self.stages.setdefault(name, []).append(attach_pre_maps(staged, src))
         return attach_pre_maps(layer, src)
 
-    def _fit(self, index: int, layer: MLALayer, x: torch.Tensor, z: torch.Tensor) -> MLALayer:
-        layer, info = fit_layer(self.config, layer, x, z, self.fit, index)
+    def _fit(self, index: int, layer: MLALayer, x: torch.Tensor, z: torch.Tensor, source_attention) -> MLALayer:
+        layer, info = fit_layer(self.config, layer, x, z, self.fit, index, source_attention)
         self.infos[index] = {**self.infos[index], **info}
         return layer
 

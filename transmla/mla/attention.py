@@ -195,12 +195,14 @@ class MLAAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, latent[:, start:], k_rope[:, start:], mask)
         return self.o_proj(out.reshape(B, T, c.num_heads * c.v_head_dim)), None
 
-    def outputs_at(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def outputs_at(self, hidden_states: torch.Tensor, positions: torch.Tensor,
+                   keys_seen: torch.Tensor | None = None) -> torch.Tensor:
         """The expanded path's output [B, m, D] at the query positions `positions` [m] (sorted) of
         whole sequences hidden_states [B, T, D] at positions 0..T-1, each query over its causal
         window of every key: forward(hidden_states)[0][:, positions], with the attention and the
         query and output projections computed for those m queries only (a training loss on a
-        sample of the queries costs about m / T of the full one's attention)."""
+        sample of the queries costs about m / T of the full one's attention). keys_seen [m, T]
+        (True = attend), when given, replaces the causal window (each row needs a key)."""
         c = self.config
         B, T, _ = hidden_states.shape
         latent, k_rope = self.compress(hidden_states)  # [B, T, d_c], [B, T, d_r]
@@ -208,8 +210,8 @@ class MLAAttention(nn.Module):
         k_rope = k_rope * cos + rotate_half(k_rope) * sin
         q_nope, q_rope = self._query(hidden_states[:, positions], cos[:, positions], sin[:, positions])
         keys = torch.arange(T, device=hidden_states.device)[None, :]  # [1, T]
-        mask = keys <= positions[:, None]  # [m, T]
-        if c.window(self.layer_idx):
+        mask = keys <= positions[:, None] if keys_seen is None else keys_seen  # [m, T]
+        if c.window(self.layer_idx) and keys_seen is None:
             mask &= keys > positions[:, None] - c.window(self.layer_idx)
         out = self._expanded(q_nope, q_rope, latent, k_rope, mask[None, None])  # [B, m, H, d_v]
         return self.o_proj(out.reshape(B, positions.shape[0], c.num_heads * c.v_head_dim))
