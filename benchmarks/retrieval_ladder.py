@@ -96,6 +96,16 @@ Adam steps from lr 1e-3, two repeated spans) with one sequence of 1024 tokens pe
 (FitSettings.minibatch_tokens 1024): the same number of updates at half the cost of each. It replaces the
 CLI's only at today's quality, the FAST rule against cli-25+fit-repeat2: dev32 at most 1% above 43.05
 (43.48), key NLL at most 5% of the gap to the source above 1.065 (1.103), at least 15 exact.
+
+rope-64+fit-repeat2-far256 (issue 34, recall; session of 2026-11-27 late morning, written before measuring): the
+50% default's fit (two repeated spans) with the far term (FitSettings.far = 256, weight 1, 256 sampled far
+queries per sequence): Adam also fits, at each query 257+ tokens in, the attention over the keys 256+ tokens
+back alone, the part of the output that recall reads. Judged against rope-64+saved (the CLI's 50% conversion
+as written, measured from its folder; its key probe must equal rope-64+fit-repeat2's, the same settings): the
+far term becomes the fit's default only if its dev recall nll is lower than rope-64+saved's by at least 10%
+of the gap rope-64+saved leaves to the source, its dev recall accuracy is not lower, its key NLL at most 5% of
+the key gap above rope-64+saved's, at most two exact matches fewer, and dev32 at most 1% above; at 25% it would
+then be checked by the 25% rule before it changes that budget.
 """
 
 from __future__ import annotations
@@ -113,6 +123,8 @@ OUT = Path(__file__).resolve().parent / "results"
 STEM = "retrieval_ladder"
 DEV_PASSKEY = dict(depths="10,50,90", keys=5, seed=1)
 DEV_LENGTHS = [1024, 2048]
+# Dev recall (transmla eval --task recall's items on another seed than the table's 0): 60 items, 1K tokens of prose
+DEV_RECALL = dict(items=60, context_tokens=1024, task_seed=1)
 BASE = dict(method="transmla", kv_budget=0.5, shared_rope=True)
 
 # The CLI's exportable 50% shape when this ladder began (latent 160 + rope 32); from the same budget
@@ -190,6 +202,12 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-25+fit-q256": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": True,
                          "fit_settings": dict(steps=200, lr=1e-3, queries=256)}, {},
                         "cli-25+fit-repeat with Adam's loss on 256 sampled query positions per sequence (of 1024)"),
+    "rope-64+saved": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "saved": "out/passkey/transmla-50-shared",
+                       "timing": "convert/0.5-shared"}, {},
+                      "the CLI's 50% conversion as written (rope-64+fit-repeat2's settings), read from its folder"),
+    "rope-64+fit-repeat2-far256": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (64, 1024),
+                                    "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256)}, {},
+                                   "rope-64+fit-repeat2 with the far term: attention over keys 256+ tokens back fitted too"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
@@ -267,13 +285,15 @@ def measure(name: str, cache: ResultCache) -> None:
     with torch.no_grad():
         probes["final"] = key_probe(model, b.tok, settings, DEV_LENGTHS)
         dev32 = b.dev32_ppl(model)
+        recall = dev_recall(model, b.tok)
     if not stream.fit:  # without the fit the written layers are the bkv_pca stage
         probes["bkv_pca"] = probes["final"]
     if first:
         cache.results["_source"] = {"probe": probes.pop("source"), "stage_ppl8": stage_ppl.pop("source")}
     cache.results[name] = dict(variant=name, plan=stream.plan.to_dict(), options=BASE | options_kw, convert_seconds=convert_s,
-                          stage_ppl8=stage_ppl, probes=probes, dev32=dev32, cpu=_cpu(), load=os.getloadavg()[0],
-                               date=time.strftime("%Y-%m-%d %H:%M"))
+                          stage_ppl8=stage_ppl, probes=probes, dev32=dev32, recall=recall, cpu=_cpu(),
+                               load=os.getloadavg()[0], date=time.strftime("%Y-%m-%d %H:%M"))
+    source_recall(b, cache)
     cache.save()
 
 
@@ -300,6 +320,7 @@ def measure_saved(name: str, cache: ResultCache) -> None:
     with torch.no_grad():
         final = key_probe(model, tok, PasskeySettings(**DEV_PASSKEY), DEV_LENGTHS)
         dev32 = b.dev32_ppl(model)
+        recall = dev_recall(model, tok)
     timing = json.loads((ROOT / "benchmarks" / "results" / "passkey_smollm2.json").read_text())
     seconds = timing.get("results", timing).get(options_kw["timing"], {}).get("wall_s", float("nan"))
     if "trained_by" in options_kw:  # + the training run's wall time (/usr/bin/time -v log)
@@ -309,7 +330,24 @@ def measure_saved(name: str, cache: ResultCache) -> None:
     cache.results[name] = dict(variant=name, plan=twin["plan"], options=BASE | options_kw,
                                convert_seconds=seconds, stage_ppl8=twin["stage_ppl8"],
                                probes={k: twin["probes"][k] for k in ("rorope", "bkv_pca")} | {"final": final},
-                               dev32=dev32, cpu=_cpu(), load=os.getloadavg()[0], date=time.strftime("%Y-%m-%d %H:%M"))
+                               dev32=dev32, recall=recall, cpu=_cpu(), load=os.getloadavg()[0],
+                               date=time.strftime("%Y-%m-%d %H:%M"))
+    source_recall(b, cache)
+
+
+def dev_recall(model, tok) -> dict:
+    """The recall task on dev items (DEV_RECALL): acc and nll (choice_tasks.score_items) and seconds."""
+    from transmla.eval.choice_tasks import ChoiceSettings, recall_items, score_items
+
+    start = time.perf_counter()
+    result = score_items(model, recall_items(tok, ChoiceSettings(**DEV_RECALL)))
+    return {k: result[k] for k in ("items", "acc", "nll")} | {"seconds": round(time.perf_counter() - start, 1)}
+
+
+def source_recall(b, cache: ResultCache) -> None:
+    """The source's dev recall, once (beside its key probe in "_source"); saves the cache."""
+    if "recall" not in cache.results.get("_source", {"recall": None}):
+        cache.results["_source"]["recall"] = dev_recall(b.source_model(), b.tok)
     cache.save()
 
 
@@ -413,17 +451,24 @@ def report(results: dict) -> str:
     order = [n for n in VARIANTS if n in results]
     L = ["# Retrieval at length, stage by stage (issue 34)", "",
          (__doc__ or "").split("\n\n", 2)[2].strip(), "",
-         "key NLL (nats per key token, dev) / exact matches of 30 at each stage; dev32 of the final model.", "",
-         "| variant | what it asks | source | rorope | bkv_pca | final | dev32 | convert s |",
-         "|---|---|---|---|---|---|---|---|"]
+         "key NLL (nats per key token, dev) / exact matches of 30 at each stage; dev32 of the final model; dev recall "
+         "of the final model (60 items, seed 1: accuracy / nll, the -log share of the true city; measured from "
+         "2026-11-27 on).", "",
+         "| variant | what it asks | source | rorope | bkv_pca | final | dev32 | dev recall | convert s |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for n in order:
         r = results[n]
         p = r["probes"]
         src = results.get("_source", {}).get("probe") or p.get("source")
         p = {"source": src, **{k: v for k, v in p.items() if k != "source"}}
         cell = lambda k: f"{p[k]['nll']:.3f} / {p[k]['exact']}" if p.get(k) else "-"  # noqa: E731
+        rec = r.get("recall")
+        rec = f"{rec['acc']:.0%} / {rec['nll']:.3f}" if rec else "-"
         L.append(f"| {n} | {VARIANTS[n][2]} | {cell('source')} | {cell('rorope')} | {cell('bkv_pca')} | "
-                 f"{cell('final')} | {r['dev32']['ppl']:.2f} | {r['convert_seconds']:.0f} |")
+                 f"{cell('final')} | {r['dev32']['ppl']:.2f} | {rec} | {r['convert_seconds']:.0f} |")
+    src_recall = results.get("_source", {}).get("recall")
+    if src_recall:
+        L += ["", f"Source dev recall: {src_recall['acc']:.0%} / {src_recall['nll']:.3f} ({src_recall['seconds']:.0f} s)."]
     L += ["", FINDINGS]
     if order:
         r0 = results[order[0]]

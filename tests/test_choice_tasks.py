@@ -76,6 +76,8 @@ def test_score_items_is_the_argmax_of_the_log_likelihoods(tmp_path, monkeypatch)
     monkeypatch.setattr(ct, "candidate_loglik", lambda net, context, cands: [-4.0, -6.0])
     r = ct.score_items(None, items)
     assert (r["acc"], r["acc_norm"], r["chance"]) == (0.5, 0.5, 0.5)  # acc picks 0; per character picks 1 (-0.4 < -3)
+    share = torch.tensor(1.0) / (1 + torch.exp(torch.tensor(-2.0)))  # the first candidate's share of the likelihood
+    assert r["nll"] == pytest.approx(float(-(share.log() + (1 - share).log()) / 2))
 
 
 @pytest.fixture(scope="module")

@@ -357,7 +357,7 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
             at = torch.arange(far + 1, x.shape[1])
             seen = output_fit.far_mask(x.shape[1], far)[far + 1 :]
             target = output_fit.far_targets(attend, x, far, 0, 8)
-            for name, settings in (("plain", FitSettings(steps=80)), ("far", FitSettings(steps=80, far=far, far_weight=4.0))):
+            for name, settings in (("plain", FitSettings(steps=80)), ("far", FitSettings(steps=80, far=far, far_weight=4.0, far_queries=12))):
                 fitted, _ = fit_layer(config, layer, x.clone(), z.clone(), settings, 0, attend)
                 with torch.no_grad():
                     out = mla_attention(config, fitted, "cpu").outputs_at(x, at, seen)

@@ -76,6 +76,7 @@ class FitSettings:
     # each query's attention stays near. Weighted by far_weight, relative to that target's own scale.
     far: int = 0
     far_weight: float = 1.0
+    far_queries: int = 256  # far query positions per sequence in each step's far term (random; 0: all)
 
 
 def far_mask(T: int, far: int, window: int = 0, device=None) -> torch.Tensor:
@@ -197,9 +198,13 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
                 out, target = _outputs(attn, x[pick], z[pick], position_ids, at)
             loss = (out.float() - target).pow(2).mean() / scale
             if z_far is not None:
+                rows = torch.arange(far_at.shape[0], device=x.device)  # [m] of the far positions
+                if 0 < settings.far_queries < rows.shape[0]:
+                    rows = torch.randperm(rows.shape[0], generator=gen)[: settings.far_queries].sort().values.to(x.device)
                 with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-                    out_far = attn.outputs_at(x[pick], far_at, far_seen)  # [batch, T - far - 1, D]
-                loss = loss + settings.far_weight * (out_far.float() - z_far[pick]).pow(2).mean() / far_scale
+                    out_far = attn.outputs_at(x[pick], far_at[rows], far_seen[rows])  # [batch, m, D]
+                far_loss = (out_far.float() - z_far[pick][:, rows]).pow(2).mean() / far_scale
+                loss = loss + settings.far_weight * far_loss
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
                 start = losses[0]

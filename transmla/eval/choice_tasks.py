@@ -178,16 +178,21 @@ def choice_hits(ll: Sequence[float], answer: int, chars: Sequence[int]) -> tuple
 
 
 def score_items(net, items: Sequence[ChoiceItem], progress: bool = False, label: str = "choices") -> dict[str, Any]:
-    """acc (highest log-likelihood is the true candidate) and acc_norm (per character), over the items."""
+    """acc (highest log-likelihood is the true candidate), acc_norm (per character) and nll (the mean
+    -log of the true candidate's share of the candidates' likelihoods: a graded acc, lower is better,
+    log(choices) at chance), over the items."""
     from ..progress import progress_bar
 
     acc = acc_norm = 0
+    nll = 0.0
     for item in progress_bar(items, label, enabled=progress):
-        hit, hit_norm = choice_hits(candidate_loglik(net, item.context, item.candidates), item.answer, item.chars)
+        ll = candidate_loglik(net, item.context, item.candidates)
+        hit, hit_norm = choice_hits(ll, item.answer, item.chars)
         acc += hit
         acc_norm += hit_norm
+        nll += torch.logsumexp(torch.tensor(ll, dtype=torch.float64), 0).item() - ll[item.answer]
     n = len(items)
-    return {"items": n, "acc": acc / n, "acc_norm": acc_norm / n, "chance": 1 / len(items[0].candidates)}
+    return {"items": n, "acc": acc / n, "acc_norm": acc_norm / n, "nll": nll / n, "chance": 1 / len(items[0].candidates)}
 
 
 def build_items(task: str, tokenizer, settings: ChoiceSettings) -> list[ChoiceItem]:
