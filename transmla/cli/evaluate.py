@@ -4,6 +4,7 @@ completion), alone or against its source, with a report."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -155,12 +156,13 @@ def _choices(model: str, compare: str | None, task: str, as_json: bool, settings
         emit(result, True, "")
         return
     table = Table(title=f"transmla eval --task {task}", caption=f"{choice.items} items, {choice.choices} choices "
-                  f"(chance {1 / choice.choices:.0%}); acc: highest log-likelihood, acc_norm: per character",
-                  caption_justify="left")
-    for h in ("model", "role", "acc", "acc_norm", "seconds"):
+                  f"(chance {1 / choice.choices:.0%}); acc: highest log-likelihood, acc_norm: per character; nll: "
+                  f"-log of the true candidate's share of the likelihood (lower is better; {math.log(choice.choices):.2f} "
+                  "at chance)", caption_justify="left")
+    for h in ("model", "role", "acc", "acc_norm", "nll", "seconds"):
         table.add_column(h, style="bold" if h == "model" else None)
     for e in entries:
-        table.add_row(e["model"], e["role"], f"{e['acc']:.1%}", f"{e['acc_norm']:.1%}", f"{e['seconds']:.0f}")
+        table.add_row(e["model"], e["role"], f"{e['acc']:.1%}", f"{e['acc_norm']:.1%}", f"{e['nll']:.3f}", f"{e['seconds']:.0f}")
     stdout.print(table)
 
 
