@@ -11,8 +11,9 @@ latent 128 or 256: the widths its flash attention has kernels for, `transmla ins
 
 --models picks from MODELS (default: the built-in at 50%; qwen2.5-coder-1.5b needs `make qwen2`).
 Phases resume: results merge into benchmarks/results/ik_llama_cpp.json, each row with the machine and
-its load average before and after. Run so far: decode (one thread, 4K and 16K), prompt (one thread) and memory; not yet
-parallel, two threads, 32K, the 1.5B or mainline at these shapes.
+its load average before and after. Run so far: decode (one thread, 4K and 16K), prompt (one thread), memory, and parallel
+at 4K (one thread, 4 and 8 sequences; `source no-fa` and `conversion gemm`, flash aborts: below); not yet two threads,
+32K, parallel at 16K, the 1.5B or mainline at these shapes.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
@@ -44,7 +45,14 @@ every generated token, 2.6e-2 off: tests/test_export_gguf_ik.py test_ik_parallel
 so flash rows that do run are not the same computation). The smallest fix: take that bound over every
 row of the q step (tools/ik_llama_cpp/parallel-flash-attention.patch, checked: with it both run right). Failed rows are recorded as such; `source no-fa` (-fa 0) and the conversion's -mla 1 -fa 0
 run, and the conversion's GEMM rows are compared with `source no-fa`.
-"""
+
+What parallel decode without flash attention measures (4K, one thread: the conversion at 0.77x / 0.66x the
+source with 4 / 8 sequences, where bytes alone would give 1.42x / 1.62x): ik's cache is one pool of cells,
+and without flash attention each step multiplies every sequence's query by every filled cell (other
+sequences' cells masked), so S sequences of L tokens cost S x S*L score products per layer and step: compute,
+not bytes, bounds it, and the absorbed MLA does 9 x (192 + 128) multiply-adds per head row and cell against
+the GQA source's 9 x (64 + 64), 2.5x. So the GEMM mode loses in parallel decode; a conversion's bytes pay
+only where each sequence reads its own cells (flash attention's per-sequence blocks: the patch above)."""
 
 from __future__ import annotations
 
