@@ -51,8 +51,9 @@ source with 4 / 8 sequences, where bytes alone would give 1.42x / 1.62x): ik's c
 and without flash attention each step multiplies every sequence's query by every filled cell (other
 sequences' cells masked), so S sequences of L tokens cost S x S*L score products per layer and step: compute,
 not bytes, bounds it, and the absorbed MLA does 9 x (192 + 128) multiply-adds per head row and cell against
-the GQA source's 9 x (64 + 64), 2.5x. So the GEMM mode loses in parallel decode; a conversion's bytes pay
-only where each sequence reads its own cells (flash attention's per-sequence blocks: the patch above)."""
+the GQA source's 9 x (64 + 64), 2.5x. So the GEMM mode loses in parallel decode; a conversion's bytes can pay
+only where the engine skips the cells a row cannot see (flash attention skips fully masked blocks, and aborts
+in 0.1.5 with several sequences: the patch above)."""
 
 from __future__ import annotations
 
