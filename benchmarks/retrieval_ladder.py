@@ -444,7 +444,15 @@ Session of 2026-11-27 morning (50%, against rope-64+fit-repeat's 0.350 / 21, dev
 (rope-64+fit-repeat2) give 0.320 / 23, dev32 26.95 (+0.1%), 3131 s: they pass the rule written before, so
 the CLI's fit repeats two spans at every budget (convert/pipeline.REPEATED_SPANS). One sequence per Adam
 step instead of two (cli-25+fit-mb1024, issue 36) converts in 1477 s against 2208 s (-33%) but gives 1.242 / 11,
-dev32 44.61 (+3.6%): rejected by its FAST rule (1.103, 15, 43.48); the fit's Adam steps want their 2048 tokens."""
+dev32 44.61 (+3.6%): rejected by its FAST rule (1.103, 15, 43.48); the fit's Adam steps want their 2048 tokens.
+
+Session of 2026-11-27 late morning (50%, recall). Dev recall (60 items, seed 1): source 58% / 0.964; the CLI's
+50% conversion as written (rope-64+saved: keys 0.320 / 23 and dev32 26.95, the same as rope-64+fit-repeat2's,
+so the saved folder is that conversion) 47% / 1.491. The far term (rope-64+fit-repeat2-far256) brings recall
+to 53% / 1.251 (46% of the nll gap closed) but the keys to 0.365 / 18 and dev32 to 27.67 (+2.6%), in 4016 s
+against 3131 s: rejected by its rule (keys at most 0.321 with 21 exact, dev32 at most 27.22). Fitting what a
+query reads from far back helps the association recall asks for and costs the exact copying passkeys ask
+for and the near-token fit perplexity sees: a smaller weight is the next question."""
 
 
 def report(results: dict) -> str:
