@@ -130,8 +130,9 @@ def code_model(tmp_path_factory):
 
 @pytest.mark.parametrize("name, cache_class", [("src", "DynamicCache"), ("mla", "LatentCache")])
 def test_exact_match_generates_through_the_cache(code_model, name, cache_class):
-    """After the scoring forward, generation prefills the prompt once, then feeds one token a step with a
-    cache that grows (the latent cache for a converted model); its text is the argmax of full forwards."""
+    """Scoring runs the prompt once and the body after it through the cache; generation then prefills the
+    prompt once and feeds one token a step with a cache that grows (the latent cache for a converted model,
+    in both); its text is the argmax of full forwards."""
     from transmla.checkpoint.resolve import load_model
 
     net, tok = load_model(str(code_model / name))
@@ -150,11 +151,12 @@ def test_exact_match_generates_through_the_cache(code_model, name, cache_class):
     finally:
         handle.remove()
     prompt = ct.prompt_ids(tok, item.function, settings.context_tokens)
-    (score_width, score_cache), (prefill, cached), *steps = calls
-    assert score_width == len(prompt) + row["body_tokens"] and not score_cache
+    (score_prompt, score_cached), (score_body, score_seen), (prefill, cached), *steps = calls
+    assert score_prompt == len(prompt) and not score_cached
+    assert score_body == row["body_tokens"] - 1 and score_seen == len(prompt)  # all but the body's last token
     assert prefill == len(prompt) and not cached
     assert steps and all(width == 1 and seen == len(prompt) + i for i, (width, seen) in enumerate(steps))
-    assert caches == {"NoneType", cache_class}
+    assert caches == {cache_class}
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(len(steps) + 1):

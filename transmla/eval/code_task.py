@@ -29,8 +29,9 @@ docstring, cut at ``body_tokens`` tokens). Measured:
     (re-indented to the true body's indentation), scored by log-likelihood as the cloze task
     (choice_tasks): ``acc`` and ``acc_norm`` (per character).
 
-Items are seeded and tokenizer-free (the same functions for every model); one batched forward scores the
-candidates (the true one gives (a)), one greedy generation gives (b). Nothing here parses flags or prints.
+Items are seeded and tokenizer-free (the same functions for every model); the prompt runs once and its
+cache serves every candidate in one batched step (choice_tasks.candidate_loglik; the true one gives (a)),
+one greedy generation gives (b). Nothing here parses flags or prints.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ def prompt_ids(tokenizer, fn: StdlibFunction, context_tokens: int, limit: int | 
 
 @torch.no_grad()
 def score_item(net, tokenizer, item: CodeItem, settings: CodeSettings) -> dict[str, Any]:
-    """One item: the candidates' log-likelihoods (one batched forward) and the greedy first line."""
+    """One item: the candidates' log-likelihoods (candidate_loglik) and the greedy first line."""
     from .passkey import greedy_answerer
 
     fn = item.function
