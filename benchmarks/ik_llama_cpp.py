@@ -82,9 +82,21 @@ CACHE_BYTES = {"f16": 2, "q8_0": 34 / 32}
 
 
 def record(update: dict) -> None:
+    """Merge {phase: {run key: entry}} into OUT_JSON; an entry's rows (depths, prompts) join the rows measured
+    before for that run, the rest of the entry (machine, load) becomes the latest run's: each earlier row
+    keeps its own under "measured"."""
     data = load_json(OUT_JSON)
-    for key, value in update.items():
-        data.setdefault(key, {}).update(value)
+    for phase, runs_ in update.items():
+        for key, entry in runs_.items():
+            old = data.setdefault(phase, {}).get(key, {})
+            if "rows" in entry and old.get("rows"):
+                provenance = {k: old[k] for k in ("machine", "load_before", "load_after") if k in old}
+                kept = {rk: row for rk, row in old["rows"].items() if rk not in entry["rows"]}
+                for row in kept.values():
+                    for r in row if isinstance(row, list) else [row]:
+                        r.setdefault("measured", provenance)
+                entry = entry | {"rows": kept | entry["rows"]}
+            data[phase][key] = entry
     save_json(OUT_JSON, data, indent=2, newline=True)
 
 
