@@ -108,6 +108,8 @@ def test_cached_loglik_equals_one_full_pass_per_candidate(choice_model, which):
                 logp = torch.log_softmax(net(torch.tensor([context + cand])).logits[0].float(), -1)
             alone = sum(logp[len(context) - 1 + k, t].item() for k, t in enumerate(cand))
             assert value == pytest.approx(alone, rel=1e-5, abs=1e-5)
+    with pytest.raises(ValueError, match="non-empty"):
+        ct.candidate_loglik(net, context, [[4], []])
 
 
 @pytest.mark.parametrize("task", ["cloze", "recall"])

@@ -292,5 +292,5 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
     return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
-__all__ = ["DEFAULT_FIT_CALIBRATION", "FitSettings", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error", "refit_o_proj",
-           "refit_o_proj_errors"]
+__all__ = ["DEFAULT_FIT_CALIBRATION", "FitSettings", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
+           "refit_o_proj", "refit_o_proj_errors"]

@@ -147,6 +147,8 @@ def candidate_loglik(net, context: Sequence[int], candidates: Sequence[Sequence[
     from ..mla.latent_cache import cache_kwargs
     from ..mla.model import is_mla_config, new_latent_cache
 
+    if not context or not candidates or not all(candidates):
+        raise ValueError("candidate_loglik needs a context and non-empty candidates")
     device = next(net.parameters()).device
     width = max(len(c) for c in candidates) - 1  # tokens fed after the context: all but each candidate's last
     cache = (new_latent_cache(net, len(context) + width) if is_mla_config(net.config)
