@@ -14,7 +14,7 @@ Phases resume: results merge into benchmarks/results/ik_llama_cpp.json, each row
 its load average before and after. Run so far: decode (one thread, 4K and 16K), prompt (one thread), memory, and parallel
 at 4K (one thread, 4 and 8 sequences; `source no-fa` and `conversion gemm`, flash aborts: below), and the source at 32K
 (27 min for two repetitions on one thread: a 32K prompt each); not yet the conversion at 32K (stopped for time:
-`--phase decode --depths 32768 --runs "conversion flash-mla"` adds it), two threads, parallel at 16K, the 1.5B or
+`--phase decode --depths 32768 --runs "conversion flash-absorbed"` adds it), two threads, parallel at 16K, the 1.5B or
 mainline at these shapes.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
