@@ -106,6 +106,18 @@ far term becomes the fit's default only if its dev recall nll is lower than rope
 of the gap rope-64+saved leaves to the source, its dev recall accuracy is not lower, its key NLL at most 5% of
 the key gap above rope-64+saved's, at most two exact matches fewer, and dev32 at most 1% above; at 25% it would
 then be checked by the 25% rule before it changes that budget.
+
+rope-64+fit-repeat2-far256-mid and rope-64+fit-repeat2-far256-w025 (issue 34, recall; session of 2026-11-27
+afternoon, written before measuring): far256 closed 46% of the recall gap but cost keys and dev32. Two ways to
+keep the gain at less cost: the far term only on layers 15-24 (FitSettings.far_layers; benchmarks/recall_layers
+found those two groups of five layers lose 0.42 of the 0.53 nll the whole conversion adds to dev recall), or on
+every layer at a quarter of the weight (far_weight 0.25). Against rope-64+saved, the rule for both: dev recall
+nll lower by at least 10% of the gap rope-64+saved leaves to the source (1.438 or lower) and accuracy not lower
+(47% or more); dev32 at most 1% above (27.22 or lower); and the key probe, which rope-64+saved already holds at
+the source's level (0.320 / 23 exact against the source's 0.301 / 15) while recall is 11 points below, no worse
+than the 50% default before two spans (rope-64+fit-repeat: 0.350 or lower, 21 exact or more). If both pass,
+the lower dev recall nll wins; the winner becomes the CLI's 50% fit and the test tables (benchmarks/passkey,
+benchmarks/choice_tasks) are rerun for it.
 """
 
 from __future__ import annotations
@@ -208,6 +220,13 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-repeat2-far256": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (64, 1024),
                                     "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256)}, {},
                                    "rope-64+fit-repeat2 with the far term: attention over keys 256+ tokens back fitted too"),
+    "rope-64+fit-repeat2-far256-mid": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (64, 1024),
+                                        "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256,
+                                                                              far_layers=tuple(range(15, 25)))}, {},
+                                       "rope-64+fit-repeat2-far256 with the far term on layers 15-24 only"),
+    "rope-64+fit-repeat2-far256-w025": ({"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64, "fit_shape": (64, 1024),
+                                         "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256, far_weight=0.25)},
+                                        {}, "rope-64+fit-repeat2-far256 with the far term at a quarter of the weight"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),

@@ -357,13 +357,18 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
             at = torch.arange(far + 1, x.shape[1])
             seen = output_fit.far_mask(x.shape[1], far)[far + 1 :]
             target = output_fit.far_targets(attend, x, far, 0, 8)
+            fits = {}
             for name, settings in (("plain", FitSettings(steps=80)), ("far", FitSettings(steps=80, far=far, far_weight=4.0, far_queries=12))):
-                fitted, _ = fit_layer(config, layer, x.clone(), z.clone(), settings, 0, attend)
+                fits[name], _ = fit_layer(config, layer, x.clone(), z.clone(), settings, 0, attend)
                 with torch.no_grad():
-                    out = mla_attention(config, fitted, "cpu").outputs_at(x, at, seen)
+                    out = mla_attention(config, fits[name], "cpu").outputs_at(x, at, seen)
                 errors[name] = float((out - target).pow(2).sum() / target.pow(2).sum())
             with pytest.raises(ValueError, match="source attention"):
                 fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, far=far))
+            # far_layers without this layer: the plain fit, exactly (and no source attention needed)
+            other, _ = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=80, far=far, far_layers=(1,)), 0)
+            for k in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
+                assert torch.equal(getattr(other, k), getattr(fits["plain"], k)), k
         return layer
 
     for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,

@@ -77,6 +77,7 @@ class FitSettings:
     far: int = 0
     far_weight: float = 1.0
     far_queries: int = 256  # far query positions per sequence in each step's far term (random; 0: all)
+    far_layers: tuple[int, ...] = ()  # the source layers whose fit has the far term (empty: every layer)
 
 
 def far_mask(T: int, far: int, window: int = 0, device=None) -> torch.Tensor:
@@ -274,7 +275,7 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
         if after < best_error - ERROR_NOISE:  # step 1 alone is a candidate too
             best, best_error = layer_of(attn, layer), after
         z_far = None
-        if settings.far:
+        if settings.far and (not settings.far_layers or index in settings.far_layers):
             if source_attention is None:
                 raise ValueError("FitSettings.far needs the source attention (fit_layer's source_attention)")
             if settings.far + 1 >= T:
