@@ -42,7 +42,7 @@ import transmla.convert.pipeline as pipeline
 
 from transmla.dtypes import fast_bf16_matmul
 
-from .common import RESULTS, load_json, log, machine, save_json
+from .common import RESULTS, ResultCache, log, machine
 
 OUT_JSON = RESULTS / "fit_cost.json"
 OUT_MD = RESULTS / "fit_cost.md"
@@ -218,18 +218,19 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     parser.add_argument("--out", type=Path, default=Path(".cache/fit-cost"))
     args = parser.parse_args(argv)
-    rows = load_json(OUT_JSON) if OUT_JSON.exists() else {}
+    cache = ResultCache(OUT_JSON)  # merges with rows another run saved meanwhile
+    rows = cache.results
     if args.attention:
         row = attention_rows()
         rows[f"attention|{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['machine']['threads']}"] = row
-        save_json(OUT_JSON, rows)
+        cache.save()
     elif not args.report:
         row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
         if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
             row["variants"] = rows[key]["variants"]
         rows[key] = row
-        save_json(OUT_JSON, rows)
+        cache.save()
         log(f"{row['command']}: {row['wall_seconds'] / 60:.1f} min {row['stages']}")
     OUT_MD.write_text(report(rows))
     return 0
