@@ -62,7 +62,9 @@ EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 6
            # before the fit sequences had a span repeated in them (issue 34: cli-25+fit-repeat in retrieval_ladder)
            "transmla 25% exportable, fit without repeats", "transmla 50% exportable, fit without repeats",
            # one span repeated per fit sequence (two since 2026-11-27: retrieval_ladder cli-25+fit-repeat2, rope-64+fit-repeat2)
-           "transmla 25% exportable, one repeated span", "transmla 50% exportable, one repeated span")
+           "transmla 25% exportable, one repeated span", "transmla 50% exportable, one repeated span",
+           # the 50% fit before its far term (2026-11-27: retrieval_ladder rope-64+fit-repeat2-far256-mid)
+           "transmla 50% exportable, no far term")
 
 
 def cpu_name() -> str:
@@ -179,7 +181,8 @@ def report(data: dict) -> None:
         + "; " + ", ".join(EARLIER[:3]) + ": the same commands before the output fit moved from 1024 x 64 to 64 x 1024 "
         f"tokens (issue 34); {EARLIER[3]}, {EARLIER[4]}: the 25% and 50% commands before the fit's sequences had a "
         f"span repeated later in each (issue 34); {EARLIER[5]}, {EARLIER[6]}: the 25% and 50% commands while their fit "
-        "repeated one span per sequence (two since 2026-11-27)"
+        f"repeated one span per sequence (two since 2026-11-27); {EARLIER[7]}: the 50% command before its fit had "
+        "the far term (attention over keys 256+ tokens back fitted too, on layers 15-24; since 2026-11-27)"
         + "".join(f"; {role}: the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
                   "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps "
                   "of 1024 wiki tokens)" for role in HEALED if merged(data, role) is not None) + ".",

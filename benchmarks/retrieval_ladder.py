@@ -217,8 +217,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                          "fit_settings": dict(steps=200, lr=1e-3, queries=256)}, {},
                         "cli-25+fit-repeat with Adam's loss on 256 sampled query positions per sequence (of 1024)"),
     "rope-64+saved": ({**ROPE_64, "saved": "out/passkey/transmla-50-shared",
-                       "timing": "convert/0.5-shared"}, {},
-                      "the CLI's 50% conversion as written (rope-64+fit-repeat2's settings), read from its folder"),
+                       "timing": "convert/0.5-shared-nofar"}, {},
+                      "the CLI's 50% conversion as written before the far term (rope-64+fit-repeat2's settings), read "
+                      "from its folder"),
     "rope-64+fit-repeat2-far256": ({**ROPE_64, "fit_shape": (64, 1024),
                                     "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256)}, {},
                                    "rope-64+fit-repeat2 with the far term: attention over keys 256+ tokens back fitted too"),

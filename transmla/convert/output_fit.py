@@ -80,6 +80,29 @@ class FitSettings:
     far_layers: tuple[int, ...] = ()  # the source layers whose fit has the far term (empty: every layer)
 
 
+# The CLI's far term (issue 34): chosen by its written rule on dev recall, dev keys and dev perplexity
+# (benchmarks/results/retrieval_ladder.md, rope-64+fit-repeat2-far256-mid) for the built-in model at 50%:
+# keys at least FAR_TOKENS back, on the middle-to-late layers, where benchmarks/recall_layers found that
+# model losing most of its recall (layers L/2 up to 5L/6, one model's finding). Below FAR_MIN_BUDGET it is
+# off until a 25% variant passes the 25% rule; it needs fit sequences longer than FAR_TOKENS + 1.
+FAR_TOKENS = 256
+FAR_MIN_BUDGET = 0.5
+
+
+def far_layers_for(num_layers: int) -> tuple[int, ...]:
+    """The layers the CLI's far term fits: L/2 (floor) up to 5L/6 (ceil), never empty."""
+    return tuple(range(num_layers // 2, max(num_layers // 2 + 1, -(-5 * num_layers // 6))))
+
+
+def default_fit_settings(steps: int, seed: int, bf16: bool, kv_budget: float | None, num_layers: int,
+                         fit_tokens: int) -> FitSettings:
+    """The CLI's fit: `steps` Adam steps, with the far term where it was chosen (budget at least
+    FAR_MIN_BUDGET, fit sequences of fit_tokens > FAR_TOKENS + 1)."""
+    far = kv_budget is not None and kv_budget >= FAR_MIN_BUDGET and fit_tokens > FAR_TOKENS + 1
+    return FitSettings(steps=steps, seed=seed, bf16=bf16, **({"far": FAR_TOKENS, "far_layers": far_layers_for(num_layers)}
+                                                            if far else {}))
+
+
 def far_mask(T: int, far: int, window: int = 0, device=None) -> torch.Tensor:
     """[T, T] bool (True = attend): query i sees keys 1 <= j <= i - far (within a sliding window of
     `window`, if any). A row with no such key sees itself only (SDPA needs one key; the far loss
@@ -293,5 +316,6 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
     return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
-__all__ = ["DEFAULT_FIT_CALIBRATION", "FitSettings", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
+__all__ = ["DEFAULT_FIT_CALIBRATION", "FAR_MIN_BUDGET", "FAR_TOKENS", "FitSettings", "default_fit_settings",
+           "far_layers_for", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
            "refit_o_proj", "refit_o_proj_errors"]

@@ -28,7 +28,7 @@ from .calibrate import calibrated_layers
 from .layers import MLALayer, SourceAttention, source_layers
 from .method import ConversionMethod
 from .options import ConvertOptions
-from .output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, fit_layer
+from .output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, default_fit_settings, fit_layer
 from .qk_norm import attach_pre_maps, linear_source
 
 
@@ -123,22 +123,24 @@ class LayerStream:
             self.calibration |= {"tokens": int(calib_ids.numel()), "propagate": self.propagate}
             self.calib_ids = calib_ids
         steps = cal.fit_steps if cal.fit_steps is not None else method.default_fit_steps
-        if fit is None and steps:
-            fit = FitSettings(steps=steps, seed=cal.seed, bf16=fast_bf16_matmul(self.device))
-        self.fit = fit
-        if self.fit is not None and self.needs.calibration:
+        if (fit is not None or steps) and self.needs.calibration:
             if fit_ids is None and self.calibration.get("text") is None:  # calib_ids were given: fit on them
                 fit_ids = self.calib_ids
             spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
                 spans = REPEATED_SPANS
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans)
+            if fit is None:
+                fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
+                                           getattr(options.settings, "kv_budget", None),
+                                           self.geometry.num_layers, fit_ids.shape[1])
             self.fit_ids = fit_ids
-            self.calibration["fit"] = {"steps": self.fit.steps, "lr": self.fit.lr, "closed_form": self.fit.closed_form,
-                                       "bf16": self.fit.bf16, "sequences": list(fit_ids.shape),
-                                       "repeated_spans": spans}
-        elif self.fit is not None and cal.fit_steps:
+            self.calibration["fit"] = {"steps": fit.steps, "lr": fit.lr, "closed_form": fit.closed_form,
+                                       "bf16": fit.bf16, "sequences": list(fit_ids.shape), "repeated_spans": spans,
+                                       **({"far": fit.far, "far_layers": list(fit.far_layers)} if fit.far else {})}
+        elif cal.fit_steps:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
+        self.fit = fit
 
     def _convert(self, index: int, src: SourceAttention, stats) -> MLALayer:
         """The method sees a QK-norm source as its plain linear form (qk_norm.py)."""
