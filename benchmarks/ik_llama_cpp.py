@@ -19,8 +19,8 @@ mainline at these shapes.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
-OUT --method transmla -R d_c -r 64 --shared-rope --calib-samples 256` (speed does not depend on the
-calibration), then `transmla export OUT X.gguf --format gguf-ik --type q8_0` (and `--format gguf` for
+OUT --method transmla -R d_c -r 64 --shared-rope --calib-samples 256 --fit-steps 0` (speed does not depend on the
+calibration or the output fit, which only change the weights' values; the rows before 2026-11-27 had the fit), then `transmla export OUT X.gguf --format gguf-ik --type q8_0` (and `--format gguf` for
 mainline llama.cpp with --engine mainline). Decode: llama-bench `-gp DEPTH,N` (tokens/s of N tokens
 decoded after a DEPTH-token prompt) at 4K, 16K and 32K; the conversion in -mla 3 -fa 1 (flash MLA),
 -mla 1 -fa 0 (GEMM) and -mla 1 -fa 1 (flash-absorbed: decode as -mla 3, prompts absorbed), the source
@@ -126,7 +126,7 @@ def phase_export(work: Path, names: list[str]) -> None:
         if not (p["native"] / "config.json").exists():
             log(f"converting {name}")
             subprocess.run([TRANSMLA, "convert", source, p["native"], "--method", "transmla", "-R", str(d_c), "-r", str(d_r),
-                            "--shared-rope", "--calib-samples", "256", "--force"], check=True)
+                            "--shared-rope", "--calib-samples", "256", "--fit-steps", "0", "--force"], check=True)
         for fmt, key in (("gguf-ik", "ik"), ("gguf", "mainline")):
             if not p[key].exists():
                 subprocess.run([TRANSMLA, "export", p["native"], p[key], "--format", fmt, "--type", "q8_0"], check=True)

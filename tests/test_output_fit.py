@@ -378,27 +378,31 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
 
 
 def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_factory):
-    """The CLI's fit (no FitSettings given): at kv_budget 0.5 with fit sequences longer than FAR_TOKENS + 1
-    the far term runs on far_layers_for(L) only (recorded in the conversion's calibration); at 0.25, or on
-    shorter sequences, it is off. Through the pipeline: layer 0 (not a far layer) comes out bit-equal to the
-    25% run's, layer 1 (a far layer) differs."""
+    """The CLI's fit (no FitSettings given): for a plan that keeps at least what --kv-budget 0.5 keeps, with fit
+    sequences longer than FAR_TOKENS + 1, the far term runs on far_layers_for(L) only (recorded in the
+    conversion's calibration); for a 25% plan, or on shorter sequences, it is off. Through the pipeline: layer 0
+    (not a far layer) comes out bit-equal to the same plan's fit without the far term, layer 1 (a far layer)
+    differs."""
     assert output_fit.far_layers_for(30) == tuple(range(15, 25))
     assert output_fit.far_layers_for(2) == (1,) and output_fit.far_layers_for(1) == (0,)
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
+    half_plan = TransMLAPlan(kv_lora_rank=12, rope_dim=4, freqfold="auto")  # 16 of the source's 32 elements
     far = output_fit.FAR_TOKENS
     long_ids, short_ids = _ids(3, 2, far + 40), _ids(3, 2, far + 1)
-    streams = {}
-    for budget, fit_ids in ((0.5, long_ids), (0.25, long_ids), (0.5, short_ids)):
-        options = ConvertOptions.of(method="transmla", kv_budget=budget, device="cpu", fit_steps=3)
-        streams[budget, fit_ids.shape[1]] = LayerStream(get_method("transmla"), path, config, options, progress=False,
-                                                        calib_ids=_ids(1, 2, 32), plan=PLAN, fit_ids=fit_ids)
-    half = streams[0.5, far + 40]
+
+    def stream(plan, fit_ids, fit=None):
+        options = ConvertOptions.of(method="transmla", device="cpu", fit_steps=3)
+        return LayerStream(get_method("transmla"), path, config, options, progress=False, calib_ids=_ids(1, 2, 32),
+                           plan=plan, fit_ids=fit_ids, fit=fit)
+
+    half = stream(half_plan, long_ids)
     assert half.fit.far == far and half.fit.far_layers == (1,)
     assert half.calibration["fit"]["far"] == far and half.calibration["fit"]["far_layers"] == [1]
-    for key in ((0.25, far + 40), (0.5, far + 1)):
-        assert streams[key].fit.far == 0 and "far" not in streams[key].calibration["fit"], key
-    with_far, without = list(half), list(streams[0.25, far + 40])
+    for other in (stream(PLAN, long_ids), stream(half_plan, short_ids)):
+        assert other.fit.far == 0 and "far" not in other.calibration["fit"]
+    plain = stream(half_plan, long_ids, FitSettings(steps=3, bf16=half.fit.bf16))
+    with_far, without = list(half), list(plain)
     for k in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
         assert torch.equal(getattr(with_far[0], k), getattr(without[0], k)), k
     assert not torch.equal(with_far[1].kv_b_proj, without[1].kv_b_proj)

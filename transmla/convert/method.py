@@ -55,6 +55,10 @@ class ConversionMethod:
         """What the plan is, for config.json's "mla.method" block (the pipeline adds the rest)."""
         return {"plan": asdict(plan)} if is_dataclass(plan) and asdict(plan) else {}
 
+    def cache_elements(self, plan: Any) -> int | None:
+        """KV-cache elements per token per layer the plan keeps (None: the method does not say)."""
+        return None
+
     def shared_rope(self, geometry: AttentionGeometry, options: Any) -> Any:
         """The settings whose conversion has one rope frequency grid in every layer (what DeepSeek
         engines and llama.cpp run; convert --format deepseek asks for it), or ValueError saying why none."""

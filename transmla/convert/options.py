@@ -49,8 +49,8 @@ class CalibrationOptions:
     device: str = option("auto", "auto | cpu | cuda, for the conversion math.")
     fit_steps: int | None = option(
         None, "Output-aware fit after converting each layer: the layer's projections fitted to the source "
-        "attention's output on calibration text (o_proj in closed form, then this many Adam steps; at a "
-        "--kv-budget of 0.5 or more the middle-to-late layers also fit what is read from 256+ tokens back). "
+        "attention's output on calibration text (o_proj in closed form, then this many Adam steps; keeping half "
+        "the cache or more, the middle-to-late layers also fit what is read from 256+ tokens back). "
         "Default: the method's own (200 for transmla, 0 for mha2mla); 0 turns it off.",
     )
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mla.attention import MLAAttention
+from .budget import budget_elements
 from .calibrate import mla_attention
 from .layers import MLALayer
 
@@ -83,8 +84,9 @@ class FitSettings:
 # The CLI's far term (issue 34): chosen by its written rule on dev recall, dev keys and dev perplexity
 # (benchmarks/results/retrieval_ladder.md, rope-64+fit-repeat2-far256-mid) for the built-in model at 50%:
 # keys at least FAR_TOKENS back, on the middle-to-late layers, where benchmarks/recall_layers found that
-# model losing most of its recall (layers L/2 up to 5L/6, one model's finding). Below FAR_MIN_BUDGET it is
-# off until a 25% variant passes the 25% rule; it needs fit sequences longer than FAR_TOKENS + 1.
+# model losing most of its recall (layers L/2 up to 5L/6, one model's finding). For a conversion that keeps
+# less than FAR_MIN_BUDGET of the cache it is off until a 25% variant passes the 25% rule; it needs fit
+# sequences longer than FAR_TOKENS + 1.
 FAR_TOKENS = 256
 FAR_MIN_BUDGET = 0.5
 
@@ -94,11 +96,13 @@ def far_layers_for(num_layers: int) -> tuple[int, ...]:
     return tuple(range(num_layers // 2, max(num_layers // 2 + 1, -(-5 * num_layers // 6))))
 
 
-def default_fit_settings(steps: int, seed: int, bf16: bool, kv_budget: float | None, num_layers: int,
-                         fit_tokens: int) -> FitSettings:
-    """The CLI's fit: `steps` Adam steps, with the far term where it was chosen (budget at least
-    FAR_MIN_BUDGET, fit sequences of fit_tokens > FAR_TOKENS + 1)."""
-    far = kv_budget is not None and kv_budget >= FAR_MIN_BUDGET and fit_tokens > FAR_TOKENS + 1
+def default_fit_settings(steps: int, seed: int, bf16: bool, cache_elements: int | None, source_elements: int,
+                         num_layers: int, fit_tokens: int) -> FitSettings:
+    """The CLI's fit: `steps` Adam steps, with the far term where it was chosen: a conversion that keeps
+    at least what --kv-budget FAR_MIN_BUDGET keeps (cache_elements of the source's source_elements per
+    token per layer; None: unknown, no far term), fit sequences of fit_tokens > FAR_TOKENS + 1."""
+    far = (cache_elements is not None and cache_elements >= budget_elements(FAR_MIN_BUDGET, source_elements)
+           and fit_tokens > FAR_TOKENS + 1)
     return FitSettings(steps=steps, seed=seed, bf16=bf16, **({"far": FAR_TOKENS, "far_layers": far_layers_for(num_layers)}
                                                             if far else {}))
 

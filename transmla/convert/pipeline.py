@@ -132,7 +132,7 @@ class LayerStream:
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans)
             if fit is None:
                 fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
-                                           getattr(options.settings, "kv_budget", None),
+                                           method.cache_elements(self.plan), self.geometry.kv_elements_per_token_per_layer,
                                            self.geometry.num_layers, fit_ids.shape[1])
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": fit.steps, "lr": fit.lr, "closed_form": fit.closed_form,

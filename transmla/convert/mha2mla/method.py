@@ -137,6 +137,9 @@ class MHA2MLA(ConversionMethod):
     def plan(self, geometry: AttentionGeometry, options: MHA2MLAOptions) -> MHA2MLASettings:
         return settings_from_options(geometry, options)
 
+    def cache_elements(self, plan: MHA2MLASettings) -> int:
+        return plan.shape.kv_elements
+
     def needs(self, plan: MHA2MLASettings) -> StatsNeeds:
         return StatsNeeds(gram=plan.needs_gram, pair_norms=plan.needs_pair_norms)
 

@@ -348,6 +348,9 @@ class TransMLA(ConversionMethod):
     def needs(self, plan: TransMLAPlan) -> StatsNeeds:
         return StatsNeeds(gram=True)
 
+    def cache_elements(self, plan: TransMLAPlan) -> int:
+        return plan.kv_lora_rank + plan.rope_dim
+
     def describe(self, plan: TransMLAPlan) -> dict:
         return {"kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim, "plan": plan.to_dict()}
 
