@@ -67,6 +67,10 @@ EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 6
            "transmla 50% exportable, no far term")
 
 
+# The CPU of the runs made before each row recorded its own (every one of them ran on this Xeon).
+XEON = "Intel(R) Xeon(R) Processor"
+
+
 def cpu_name() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
@@ -91,7 +95,7 @@ def converted(method: str, budget: float, shared: bool | None, cache: ResultCach
     if not (out / "config.json").is_file():
         OUT.mkdir(parents=True, exist_ok=True)
         log(f"converting: {' '.join(command)}")
-        cache.results[key] = timed(command, log_file)
+        cache.results[key] = timed(command, log_file) | {"cpu": cpu_name()}
         cache.save()
     elif key not in cache.results and log_file.is_file() and "Elapsed (wall clock)" in log_file.read_text():
         cache.results[key] = measured(log_file)  # made by hand with the same command under /usr/bin/time -v
@@ -111,7 +115,7 @@ def run_length(spec: str, length: int, threads: int) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     after = os.times()
     (entry,) = json.loads(proc.stdout)["models"]
-    return entry | {"threads": threads, "wall_s": round(time.perf_counter() - start, 1), "load_before": before,
+    return entry | {"threads": threads, "cpu": cpu_name(), "wall_s": round(time.perf_counter() - start, 1), "load_before": before,
                     "load_after": os.getloadavg(),
                     "cpu_s": round(after.children_user + after.children_system - cpu.children_user - cpu.children_system, 1)}
 
@@ -203,13 +207,20 @@ def report(data: dict) -> None:
     if missing:
         lines += [f"Not measured: {', '.join(missing)} (its conversion did not finish in the session that ran this; "
                   "`python -m benchmarks.passkey` makes it under out/passkey and measures it).", ""]
-    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB" + (f" ({v['note']})" if v.get("note") else "")
+    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB"
+            + "".join(f" ({x})" for x in (v.get("cpu", XEON), v.get("note")) if x)
             for k, v in data.items()
             if k.startswith("convert/") and isinstance(v, dict) and "wall_s" in v]
     if conv:
         lines += ["Conversions (under /usr/bin/time, shared CPU): " + "; ".join(conv) + ".", ""]
+    by_cpu: dict[str, list[str]] = {}
+    for k, v in data.items():
+        if "/" in k and isinstance(v, dict) and "found" in v:
+            by_cpu.setdefault(v.get("cpu", XEON), []).append(k)
+    lines += ["CPU of each run (the seconds differ by CPU): " + "; ".join(
+        f"{cpu}: {', '.join(sorted(keys))}" for cpu, keys in by_cpu.items()) + ".", ""]
     lines += [
-        f"Machine: {env['machine']}; CPU {data['cpu']}; Python {env['python']}, torch {env['torch']}, transformers "
+        f"Machine of the last run: {env['machine']}; CPU {data['cpu']}; Python {env['python']}, torch {env['torch']}, transformers "
         f"{env['transformers']}; {env['date']}. Load average (1 min) around the runs: {min(loads):.2f} to "
         f"{max(loads):.2f} on {os.cpu_count()} cores (the CPU was shared: seconds are wall time under that load).",
         "",
