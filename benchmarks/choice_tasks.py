@@ -60,8 +60,13 @@ def report(results: dict) -> str:
         L.append(f"| {role} | {f(c, 'acc')} | {f(c, 'acc_norm')} | {f(r, 'acc')} | {f(r, 'acc_norm')} | {s(c)} / {s(r)} |")
     runs = [v for k, v in results.items() if k.endswith(("/cloze", "/recall"))]
     if runs:
-        L += ["", f"CPU: {runs[0]['cpu']} (2 cores); load {min(e['load_before'] for e in runs):.1f}-"
-              f"{max(e['load_after'] for e in runs):.1f} around the runs (seconds are wall time under that load)."]
+        by_cpu: dict[str, list[str]] = {}
+        for k, v in results.items():
+            if k.endswith(("/cloze", "/recall")):
+                by_cpu.setdefault(v["cpu"], []).append(k)
+        L += ["", "CPU (2 cores) of each run: " + "; ".join(f"{cpu}: {', '.join(keys)}" for cpu, keys in by_cpu.items())
+              + f"; load {min(e['load_before'] for e in runs):.1f}-{max(e['load_after'] for e in runs):.1f} around the "
+              "runs (seconds are wall time under that load and differ by CPU: the AMD EPYC here has AVX2 only)."]
     L += ["", SECONDS_NOTE]
     return "\n".join(L) + "\n"
 
