@@ -24,7 +24,7 @@ import subprocess
 import time
 
 from .common import RESULTS, TRANSMLA, ResultCache, log
-from .passkey import EARLIER, MODEL, MODELS, converted, cpu_name
+from .passkey import EARLIER, MODEL, MODELS, converted, cpu_name, runs_by_cpu
 
 STEM = "choice_tasks_smollm2"
 TASKS = {"cloze": ["--context-tokens", "512"], "recall": ["--context-tokens", "1024"]}
@@ -60,12 +60,8 @@ def report(results: dict) -> str:
         L.append(f"| {role} | {f(c, 'acc')} | {f(c, 'acc_norm')} | {f(r, 'acc')} | {f(r, 'acc_norm')} | {s(c)} / {s(r)} |")
     runs = [v for k, v in results.items() if k.endswith(("/cloze", "/recall"))]
     if runs:
-        by_cpu: dict[str, list[str]] = {}
-        for k, v in results.items():
-            if k.endswith(("/cloze", "/recall")):
-                by_cpu.setdefault(v["cpu"], []).append(k)
-        L += ["", "CPU (2 cores) of each run: " + "; ".join(f"{cpu}: {', '.join(keys)}" for cpu, keys in by_cpu.items())
-              + f"; load {min(e['load_before'] for e in runs):.1f}-{max(e['load_after'] for e in runs):.1f} around the "
+        cpus = runs_by_cpu({k: v for k, v in results.items() if k.endswith(("/cloze", "/recall"))})
+        L += ["", f"CPU (2 cores) of each run: {cpus}; load {min(e['load_before'] for e in runs):.1f}-{max(e['load_after'] for e in runs):.1f} around the "
               "runs (seconds are wall time under that load and differ by CPU: the AMD EPYC here has AVX2 only)."]
     L += ["", SECONDS_NOTE]
     return "\n".join(L) + "\n"

@@ -71,6 +71,14 @@ EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 6
 XEON = "Intel(R) Xeon(R) Processor"
 
 
+def runs_by_cpu(runs: dict, default: str | None = None) -> str:
+    """'CPU: key, key; CPU: ...' for the run rows {key: row} (a row without its "cpu": default)."""
+    by_cpu: dict[str, list[str]] = {}
+    for k, v in runs.items():
+        by_cpu.setdefault(v.get("cpu", default), []).append(k)
+    return "; ".join(f"{cpu}: {', '.join(sorted(keys))}" for cpu, keys in by_cpu.items())
+
+
 def cpu_name() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
@@ -213,12 +221,8 @@ def report(data: dict) -> None:
             if k.startswith("convert/") and isinstance(v, dict) and "wall_s" in v]
     if conv:
         lines += ["Conversions (under /usr/bin/time, shared CPU): " + "; ".join(conv) + ".", ""]
-    by_cpu: dict[str, list[str]] = {}
-    for k, v in data.items():
-        if "/" in k and isinstance(v, dict) and "found" in v:
-            by_cpu.setdefault(v.get("cpu", XEON), []).append(k)
-    lines += ["CPU of each run (the seconds differ by CPU): " + "; ".join(
-        f"{cpu}: {', '.join(sorted(keys))}" for cpu, keys in by_cpu.items()) + ".", ""]
+    runs_of = {k: v for k, v in data.items() if "/" in k and isinstance(v, dict) and "found" in v}
+    lines += [f"CPU of each run (the seconds differ by CPU): {runs_by_cpu(runs_of, XEON)}.", ""]
     lines += [
         f"Machine of the last run: {env['machine']}; CPU {data['cpu']}; Python {env['python']}, torch {env['torch']}, transformers "
         f"{env['transformers']}; {env['date']}. Load average (1 min) around the runs: {min(loads):.2f} to "
