@@ -379,8 +379,8 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
 
 def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_factory):
     """The CLI's fit (no FitSettings given): for a plan that keeps at least what --kv-budget 0.5 keeps, with fit
-    sequences longer than FAR_TOKENS + 1, the far term runs on far_layers_for(L) only (recorded in the
-    conversion's calibration); for a 25% plan, or on shorter sequences, it is off. Through the pipeline: layer 0
+    sequences longer than FAR_TOKENS + 1, the far term runs on far_layers_for(L) only at FAR_WEIGHT (both
+    recorded in the conversion's calibration); for a 25% plan, or on shorter sequences, it is off. Through the pipeline: layer 0
     (not a far layer) comes out bit-equal to the same plan's fit without the far term, layer 1 (a far layer)
     differs."""
     assert output_fit.far_layers_for(30) == tuple(range(15, 25))
@@ -397,8 +397,9 @@ def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_fa
                            plan=plan, fit_ids=fit_ids, fit=fit)
 
     half = stream(half_plan, long_ids)
-    assert half.fit.far == far and half.fit.far_layers == (1,)
+    assert half.fit.far == far and half.fit.far_layers == (1,) and half.fit.far_weight == output_fit.FAR_WEIGHT
     assert half.calibration["fit"]["far"] == far and half.calibration["fit"]["far_layers"] == [1]
+    assert half.calibration["fit"]["far_weight"] == output_fit.FAR_WEIGHT != FitSettings(steps=3).far_weight
     for other in (stream(PLAN, long_ids), stream(half_plan, short_ids)):
         assert other.fit.far == 0 and "far" not in other.calibration["fit"]
     plain = stream(half_plan, long_ids, FitSettings(steps=3, bf16=half.fit.bf16))

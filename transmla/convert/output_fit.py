@@ -86,9 +86,11 @@ class FitSettings:
 # keys at least FAR_TOKENS back, on the middle-to-late layers, where benchmarks/recall_layers found that
 # model losing most of its recall (layers L/2 up to 5L/6, one model's finding). For a conversion that keeps
 # less than FAR_MIN_BUDGET of the cache it is off until a 25% variant passes the 25% rule; it needs fit
-# sequences longer than FAR_TOKENS + 1.
+# sequences longer than FAR_TOKENS + 1. Its weight FAR_WEIGHT was chosen by the same kind of rule
+# (rope-64+fit-repeat2-far256-mid-w2 against the weight-1 default).
 FAR_TOKENS = 256
 FAR_MIN_BUDGET = 0.5
+FAR_WEIGHT = 2.0
 
 
 def far_layers_for(num_layers: int) -> tuple[int, ...]:
@@ -103,7 +105,8 @@ def default_fit_settings(steps: int, seed: int, bf16: bool, cache_elements: int 
     token per layer; None: unknown, no far term), fit sequences of fit_tokens > FAR_TOKENS + 1."""
     far = (cache_elements is not None and cache_elements >= budget_elements(FAR_MIN_BUDGET, source_elements)
            and fit_tokens > FAR_TOKENS + 1)
-    return FitSettings(steps=steps, seed=seed, bf16=bf16, **({"far": FAR_TOKENS, "far_layers": far_layers_for(num_layers)}
+    return FitSettings(steps=steps, seed=seed, bf16=bf16, **({"far": FAR_TOKENS, "far_weight": FAR_WEIGHT,
+                                                                "far_layers": far_layers_for(num_layers)}
                                                             if far else {}))
 
 
@@ -320,6 +323,6 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
     return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
-__all__ = ["DEFAULT_FIT_CALIBRATION", "FAR_MIN_BUDGET", "FAR_TOKENS", "FitSettings", "default_fit_settings",
+__all__ = ["DEFAULT_FIT_CALIBRATION", "FAR_MIN_BUDGET", "FAR_TOKENS", "FAR_WEIGHT", "FitSettings", "default_fit_settings",
            "far_layers_for", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
            "refit_o_proj", "refit_o_proj_errors"]
