@@ -108,7 +108,8 @@ def converted(method: str, budget: float, shared: bool | None, cache: ResultCach
         cache.results[key] = timed(command, log_file) | {"cpu": cpu_name()}
         cache.save()
     elif key not in cache.results and log_file.is_file() and "Elapsed (wall clock)" in log_file.read_text():
-        cache.results[key] = measured(log_file)  # made by hand with the same command under /usr/bin/time -v
+        # made by hand with the same command under /usr/bin/time -v, on this machine
+        cache.results[key] = measured(log_file) | {"cpu": cpu_name()}
         cache.save()
     if key in cache.results:
         cache.results[key]["command"] = " ".join(["transmla", *convert_command(method, budget, shared, Path("OUT"))[1:]])
