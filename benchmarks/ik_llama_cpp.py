@@ -19,6 +19,10 @@ Mainline llama.cpp at these shapes (`--engine mainline --phase decode --threads 
 2026-11-27, AMD EPYC with AVX2 only, the other core converting): the 50% conversion (128 + 64) decodes at 1.08x
 the source at 4K and 1.53x at 16K (bytes ideal 1.16x / 1.50x), where the 25% conversion's 64 + 32 ran at
 0.47-0.85x (benchmarks/results/gguf_llama_cpp.md): widths that are multiples of 64 already pay in mainline.
+Two threads (same day, `--threads 2 --runs "source,conversion flash-mla"`): the source only (the conversion's
+flash-mla run, whose 16K prompts are slow, was stopped for time); on this 2-vCPU EPYC two threads decoded slower
+than one at 4K (12.7 / 15.2 tokens/s in two repetitions against 23.9 on one thread) and spread widely at 16K
+(7.7 / 10.4), so those rows are not yet a usable comparison.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
