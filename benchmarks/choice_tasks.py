@@ -58,9 +58,10 @@ def report(results: dict) -> str:
         f = lambda e, k: f"{e[k]:.0%}" if e else "-"  # noqa: E731
         s = lambda e: f"{e['seconds']:.0f}" if e else "-"  # noqa: E731
         L.append(f"| {role} | {f(c, 'acc')} | {f(c, 'acc_norm')} | {f(r, 'acc')} | {f(r, 'acc_norm')} | {s(c)} / {s(r)} |")
-    runs = [v for k, v in results.items() if k.endswith(("/cloze", "/recall"))]
+    run_rows = {k: v for k, v in results.items() if k.endswith(("/cloze", "/recall"))}
+    runs = list(run_rows.values())
     if runs:
-        cpus = runs_by_cpu({k: v for k, v in results.items() if k.endswith(("/cloze", "/recall"))})
+        cpus = runs_by_cpu(run_rows)
         L += ["", f"CPU (2 cores) of each run: {cpus}; load {min(e['load_before'] for e in runs):.1f}-{max(e['load_after'] for e in runs):.1f} around the "
               "runs (seconds are wall time under that load and differ by CPU: the AMD EPYC here has AVX2 only)."]
     L += ["", SECONDS_NOTE]
