@@ -12,6 +12,16 @@ import transformers
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSMLA_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "transmla"))
 
+@pytest.fixture(autouse=True)
+def fp32_kernels_everywhere(monkeypatch):
+    """In tests the fp32 C kernels take their calls on every CPU (the product takes them on AVX-512 CPUs
+    only, cpu_build.fp32_kernels_run), so they are checked on AVX2 machines too; test_cpu_decode_kernel's
+    test_fp32_kernels_only_where_the_vectors_are_wide checks the product's choice."""
+    from transmla.mla.kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "fp32_kernels_run", lambda: True)
+
+
 TINY = dict(
     vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,

@@ -96,6 +96,28 @@ def test_the_profiler_sees_the_kernels_by_name():
     assert "transmla::cpu_prefill_kernel" in names, (names, cpu_prefill.KERNEL.status())
 
 
+def test_fp32_kernels_only_where_the_vectors_are_wide(monkeypatch):
+    """The product's choice (without the tests' fixture): the fp32 kernels take calls on a CPU with AVX-512F,
+    or anywhere when TRANSMLA_KERNEL=cpu forces them; elsewhere attend_rows runs SDPA (the same result)."""
+    from transmla.mla.kernels import cpu_build
+
+    monkeypatch.undo()  # the real cpu_build.fp32_kernels_run
+    assert cpu_build.wide_vectors() == ("avx512f" in Path("/proc/cpuinfo").read_text().split())  # this CPU's
+    monkeypatch.delenv("TRANSMLA_KERNEL", raising=False)
+    loads, load = [], cpu_decode.KERNEL.load
+    monkeypatch.setattr(cpu_decode.KERNEL, "load", lambda *shape: loads.append(shape) or load(*shape))
+    q_rows, rows = torch.randn(1, 1, 3, 32), torch.randn(1, 40, 32)
+    for wide in (True, False):
+        monkeypatch.setattr(cpu_build, "wide_vectors", lambda wide=wide: wide)
+        assert cpu_decode.supports(q_rows, rows, 16) is wide
+        loads.clear()
+        out = attend_rows(q_rows, rows, 16, 0.2)
+        assert bool(loads) is wide  # the kernel ran, or SDPA did
+        torch.testing.assert_close(out, mla_decode_reference(q_rows[..., :16], q_rows[..., 16:], rows[..., :16], rows[..., 16:], 0.2), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("TRANSMLA_KERNEL", "cpu")  # forced: on any CPU
+    assert cpu_decode.supports(q_rows, rows, 16)
+
+
 def test_kernel_refuses_what_it_does_not_cover():
     rows = torch.randn(2, 10, 32)
     assert not cpu_decode.supports(torch.randn(2, 2, 3, 32), rows, 16)  # two query tokens

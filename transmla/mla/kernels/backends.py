@@ -11,7 +11,8 @@ and the next backend is tried. "sdpa" takes every call, last.
 Built in, in dispatch order:
   triton  CUDA, no mask, decode steps: the split-KV Triton kernel (triton_decode.py)
   cpu     CPU, fp32 or bf16, no autograd, no mask: the C kernels (cpu_decode.py for one new token,
-          cpu_prefill.py for prompts; AMX tiles in bf16 where the CPU has them), built on first use
+          cpu_prefill.py for prompts; AMX tiles in bf16 where the CPU has them), built on first use;
+          fp32 only where the CPU has AVX-512 (cpu_build.wide_vectors; SDPA is faster on AVX2)
   torch   a GPU without Triton, no mask, decode steps: the PyTorch reference (reference.py)
   sdpa    everywhere, any mask: PyTorch's SDPA over the rows (sdpa_rows.py)
 
@@ -32,12 +33,13 @@ from typing import Callable
 import torch
 
 from . import cpu_decode, cpu_prefill
+from .cpu_build import KERNEL_ENV
 from .reference import mla_decode_reference
 from .sdpa_rows import sdpa_decode, sdpa_prefill
 
 __all__ = ["ENV", "Backend", "attend_rows", "backends", "forced", "register", "triton_runs_on", "unregister"]
 
-ENV = "TRANSMLA_KERNEL"
+ENV = KERNEL_ENV
 FALLBACK = "sdpa"
 _REPLACED = {"TRANSMLA_ATTN_BACKEND": "TRANSMLA_KERNEL=triton|torch",  # old variables, now ignored
              "TRANSMLA_CPU_KERNEL": "TRANSMLA_KERNEL=sdpa (for =0)"}

@@ -8,6 +8,11 @@ Each kernel is one ``CKernel`` (cpu_decode.KERNEL, cpu_prefill.KERNEL): the one 
 AMX-permission code for both. Without a compiler, or when the build fails, ``CKernel.load`` returns None
 with the reason in ``STATUS`` and callers keep PyTorch's SDPA: the kernels are optimisations, never
 requirements. ``TRANSMLA_KERNEL=sdpa`` (backends.py) keeps the model off them.
+
+The fp32 kernels are written for 16-float vectors held in 32 registers (x86 AVX-512): on a CPU with
+narrower vectors (AVX2's 16 registers of 8 floats) their register tiles spill and PyTorch's SDPA is
+faster (benchmarks/results/cpu_kernels.md), so ``fits`` takes them only where the CPU has AVX-512F
+(``wide_vectors``), or anywhere when ``TRANSMLA_KERNEL=cpu`` forces them (tests, measurements).
 """
 
 from __future__ import annotations
@@ -26,12 +31,31 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CKernel", "DTYPES", "STATUS", "build", "fits", "pool"]
+__all__ = ["CKernel", "DTYPES", "KERNEL_ENV", "STATUS", "build", "fits", "fp32_kernels_run", "pool", "wide_vectors"]
 
 KERNEL_DIR = Path(__file__).parent  # the kernels' sources and the headers they include
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # cpu_vector.h, cpu_amx.h
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 STATUS: dict[tuple, str] = {}  # {(kernel, dtype, *shape): "compiled" or "unavailable: why"}
+KERNEL_ENV = "TRANSMLA_KERNEL"  # backends.py's variable: auto | a backend's name
+WIDE_VECTOR_FLAG = "avx512f"  # /proc/cpuinfo's flag of the vectors the fp32 kernels are written for
+
+
+@functools.lru_cache(maxsize=1)
+def wide_vectors() -> bool:
+    """Does this CPU have 32 vector registers of 16 floats (AVX-512F, from /proc/cpuinfo's flags)?
+    False where that cannot be read (no Linux /proc, another architecture: not measured there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return WIDE_VECTOR_FLAG in flags
+
+
+def fp32_kernels_run() -> bool:
+    """Do the fp32 kernels take calls here: on AVX-512 CPUs, or anywhere when TRANSMLA_KERNEL=cpu forces them."""
+    return wide_vectors() or os.environ.get(KERNEL_ENV, "").strip().lower() == "cpu"
 
 
 def _cache_dir() -> Path:
@@ -95,6 +119,8 @@ class CKernel:
     def fits(self, q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
         """Can one of the kernels run these operands (module ``fits``, with that kernel's head limit)?"""
         dtype = DTYPES.get(q_rows.dtype)
+        if dtype == "fp32" and not fp32_kernels_run():  # narrow vectors: SDPA is faster (module docstring)
+            return False
         return dtype is not None and fits(q_rows, rows, d_c, self.max_heads[dtype], q_rows.dtype)
 
     def load(self, dtype: str, heads: int, width: int, d_c: int) -> dict | None:
