@@ -5,10 +5,11 @@ One layer of the built-in model's conversions (SmolLM2-135M: 9 query heads; 50% 
 (causal prefill, cpu_prefill.c against sdpa_rows.sdpa_prefill) and one decode step over S cached rows
 (cpu_decode.c against sdpa_rows.sdpa_decode). Best of several calls; the two results agree to fp32
 rounding (max |difference| in the table). The kernels are forced here (TRANSMLA_KERNEL=cpu); the column
-"auto" says what attend_rows runs on this CPU without it (cpu_build.fp32_kernels_run: the kernels on
-AVX-512 CPUs only).
+"auto" says what attend_rows ran on this CPU without it when the row was measured
+(cpu_build.fp32_kernels_run).
 
-    .venv/bin/python -m benchmarks.cpu_kernels     # adds this CPU's rows (one entry per CPU model name)
+    .venv/bin/python -m benchmarks.cpu_kernels                      # this CPU's rows for today's kernels
+    .venv/bin/python -m benchmarks.cpu_kernels --label "16-float"   # under another label (one entry per CPU and label)
 
 Writes benchmarks/results/cpu_kernels.{json,md} with the CPU, its vector flags and the load.
 """
@@ -37,13 +38,13 @@ def _best(fn, repeats: int) -> float:
 
 
 def _cpu() -> dict:
-    from transmla.mla.kernels.cpu_build import wide_vectors
+    from transmla.mla.kernels.cpu_build import fast_vectors
 
     text = open("/proc/cpuinfo").read()
     name = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
     flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
     vectors = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"cpu": name, "cores": os.cpu_count(), "vector_flags": vectors, "wide_vectors": wide_vectors()}
+    return {"cpu": name, "cores": os.cpu_count(), "vector_flags": vectors, "auto": "kernel" if fast_vectors() else "SDPA"}
 
 
 def measure() -> dict:
@@ -81,26 +82,31 @@ def measure() -> dict:
 def report(results: dict) -> str:
     L = ["# The fp32 CPU kernels against PyTorch's SDPA, per CPU", "",
          __doc__.split("\n\n")[1].replace("\n", " "), "",
-         "| CPU | vector flags | shape | phase | tokens | kernel ms | SDPA ms | kernel / SDPA | max diff | auto runs |",
+         "| CPU, kernels | vector flags | shape | phase | tokens | kernel ms | SDPA ms | kernel / SDPA | max diff | auto ran |",
          "|---|---|---|---|---|---|---|---|---|---|"]
-    for cpu, r in sorted(results.items()):
-        auto = "kernel" if r["wide_vectors"] else "SDPA"
+    for key, r in sorted(results.items()):
         for row in r["rows"]:
-            L.append(f"| {cpu} | {' '.join(r['vector_flags'])} | {row['shape']} ({row['d_c']} + {row['d_r']}) | "
+            L.append(f"| {key} | {' '.join(r['vector_flags'])} | {row['shape']} ({row['d_c']} + {row['d_r']}) | "
                      f"{row['phase']} | {row['tokens']} | {row['kernel_ms']:.2f} | {row['sdpa_ms']:.2f} | "
-                     f"{row['kernel_over_sdpa']:.2f} | {row['max_abs_diff']:.1e} | {auto} |")
+                     f"{row['kernel_over_sdpa']:.2f} | {row['max_abs_diff']:.1e} | {r['auto']} |")
     L += [""] + [f"{cpu}: {r['cores']} cores, {r['threads']} thread, load {r['load'][0]}-{r['load'][1]}, torch {r['torch']}, "
                  f"{r['date']}." for cpu, r in sorted(results.items())]
-    L += ["", "The kernels keep 6 x 4 accumulators of 16 floats plus operands in registers (cpu_prefill.c, RM x KB / L): "
-          "AVX-512's 32 registers hold them, AVX2's 16 registers of 8 floats do not, and the spilled tiles run "
-          "several times slower than SDPA there. Hence the choice by the CPU's flags."]
+    L += ["", "Kernels: \"16-float\" are the kernels written for AVX-512 alone (16-float vectors everywhere; GCC "
+          "lowers them through the stack on an AVX2 CPU, which made them 2-9x slower than SDPA there); "
+          "\"per-width\" are today's, whose vectors and register tiles follow the CPU (cpu_vector.h: 16 floats "
+          "with AVX-512, 8 with AVX2)."]
     return "\n".join(L) + "\n"
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--label", default="per-width", help="the kernels' label in the table (default: per-width)")
+    args = ap.parse_args(argv)
     cache = ResultCache(RESULTS / f"{STEM}.json")
     result = measure()
-    cache.results[result["cpu"]] = result
+    cache.results[f"{result['cpu']}, {args.label}"] = result
     cache.save()
     (RESULTS / f"{STEM}.md").write_text(report(cache.results))
     log(f"wrote {RESULTS / STEM}.md")

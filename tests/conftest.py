@@ -14,9 +14,9 @@ os.environ.setdefault("TRANSMLA_CACHE", str(Path(__file__).resolve().parent.pare
 
 @pytest.fixture(autouse=True)
 def fp32_kernels_everywhere(monkeypatch):
-    """In tests the fp32 C kernels take their calls on every CPU (the product takes them on AVX-512 CPUs
-    only, cpu_build.fp32_kernels_run), so they are checked on AVX2 machines too; test_cpu_decode_kernel's
-    test_fp32_kernels_only_where_the_vectors_are_wide checks the product's choice."""
+    """In tests the fp32 C kernels take their calls on every CPU (the product takes them on AVX-512 and AVX2
+    CPUs only, cpu_build.fp32_kernels_run), so they are checked wherever the tests run; test_cpu_decode_kernel's
+    test_fp32_kernels_only_on_measured_vector_units checks the product's choice."""
     from transmla.mla.kernels import cpu_build
 
     monkeypatch.setattr(cpu_build, "fp32_kernels_run", lambda: True)

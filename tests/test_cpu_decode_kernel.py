@@ -96,19 +96,21 @@ def test_the_profiler_sees_the_kernels_by_name():
     assert "transmla::cpu_prefill_kernel" in names, (names, cpu_prefill.KERNEL.status())
 
 
-def test_fp32_kernels_only_where_the_vectors_are_wide(monkeypatch):
-    """The product's choice (without the tests' fixture): the fp32 kernels take calls on a CPU with AVX-512F,
-    or anywhere when TRANSMLA_KERNEL=cpu forces them; elsewhere attend_rows runs SDPA (the same result)."""
+def test_fp32_kernels_only_on_measured_vector_units(monkeypatch):
+    """The product's choice (without the tests' fixture): the fp32 kernels take calls on a CPU with AVX-512F
+    or AVX2 + FMA, or anywhere when TRANSMLA_KERNEL=cpu forces them; elsewhere attend_rows runs SDPA (the
+    same result)."""
     from transmla.mla.kernels import cpu_build
 
     monkeypatch.undo()  # the real cpu_build.fp32_kernels_run
-    assert cpu_build.wide_vectors() == ("avx512f" in Path("/proc/cpuinfo").read_text().split())  # this CPU's
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert cpu_build.fast_vectors() == ("avx512f" in flags or {"avx2", "fma"} <= flags)  # this CPU's
     monkeypatch.delenv("TRANSMLA_KERNEL", raising=False)
     loads, load = [], cpu_decode.KERNEL.load
     monkeypatch.setattr(cpu_decode.KERNEL, "load", lambda *shape: loads.append(shape) or load(*shape))
     q_rows, rows = torch.randn(1, 1, 3, 32), torch.randn(1, 40, 32)
     for wide in (True, False):
-        monkeypatch.setattr(cpu_build, "wide_vectors", lambda wide=wide: wide)
+        monkeypatch.setattr(cpu_build, "fast_vectors", lambda wide=wide: wide)
         assert cpu_decode.supports(q_rows, rows, 16) is wide
         loads.clear()
         out = attend_rows(q_rows, rows, 16, 0.2)

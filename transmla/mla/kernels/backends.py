@@ -12,7 +12,7 @@ Built in, in dispatch order:
   triton  CUDA, no mask, decode steps: the split-KV Triton kernel (triton_decode.py)
   cpu     CPU, fp32 or bf16, no autograd, no mask: the C kernels (cpu_decode.py for one new token,
           cpu_prefill.py for prompts; AMX tiles in bf16 where the CPU has them), built on first use;
-          fp32 only where the CPU has AVX-512 (cpu_build.wide_vectors; SDPA is faster on AVX2)
+          fp32 where the CPU has AVX-512 or AVX2 (cpu_build.fast_vectors, the units they were measured on)
   torch   a GPU without Triton, no mask, decode steps: the PyTorch reference (reference.py)
   sdpa    everywhere, any mask: PyTorch's SDPA over the rows (sdpa_rows.py)
 

@@ -9,10 +9,10 @@ AMX-permission code for both. Without a compiler, or when the build fails, ``CKe
 with the reason in ``STATUS`` and callers keep PyTorch's SDPA: the kernels are optimisations, never
 requirements. ``TRANSMLA_KERNEL=sdpa`` (backends.py) keeps the model off them.
 
-The fp32 kernels are written for 16-float vectors held in 32 registers (x86 AVX-512): on a CPU with
-narrower vectors (AVX2's 16 registers of 8 floats) their register tiles spill and PyTorch's SDPA is
-faster (benchmarks/results/cpu_kernels.md), so ``fits`` takes them only where the CPU has AVX-512F
-(``wide_vectors``), or anywhere when ``TRANSMLA_KERNEL=cpu`` forces them (tests, measurements).
+The fp32 kernels use vectors of the CPU's own width (cpu_vector.h: 16 floats with AVX-512, else 8) with
+register tiles sized for its register file; they were measured faster than PyTorch's SDPA on AVX-512
+and on AVX2 CPUs (benchmarks/results/cpu_kernels.md), so ``fits`` takes them where the CPU has one of
+those (``fast_vectors``), and anywhere when ``TRANSMLA_KERNEL=cpu`` forces them (tests, measurements).
 """
 
 from __future__ import annotations
@@ -31,31 +31,32 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CKernel", "DTYPES", "KERNEL_ENV", "STATUS", "build", "fits", "fp32_kernels_run", "pool", "wide_vectors"]
+__all__ = ["CKernel", "DTYPES", "KERNEL_ENV", "STATUS", "build", "fits", "fast_vectors", "fp32_kernels_run", "pool"]
 
 KERNEL_DIR = Path(__file__).parent  # the kernels' sources and the headers they include
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # cpu_vector.h, cpu_amx.h
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
 STATUS: dict[tuple, str] = {}  # {(kernel, dtype, *shape): "compiled" or "unavailable: why"}
 KERNEL_ENV = "TRANSMLA_KERNEL"  # backends.py's variable: auto | a backend's name
-WIDE_VECTOR_FLAG = "avx512f"  # /proc/cpuinfo's flag of the vectors the fp32 kernels are written for
+# /proc/cpuinfo flags of the vector units the fp32 kernels were measured on: AVX-512, or AVX2 with FMA
+VECTOR_FLAGS = ({"avx512f"}, {"avx2", "fma"})
 
 
 @functools.lru_cache(maxsize=1)
-def wide_vectors() -> bool:
-    """Does this CPU have 32 vector registers of 16 floats (AVX-512F, from /proc/cpuinfo's flags)?
-    False where that cannot be read (no Linux /proc, another architecture: not measured there)."""
+def fast_vectors() -> bool:
+    """Does this CPU have a vector unit the fp32 kernels were measured fast on (VECTOR_FLAGS, from
+    /proc/cpuinfo)? False where that cannot be read (no Linux /proc, another architecture: not measured)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return WIDE_VECTOR_FLAG in flags
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return any(needed <= flags for needed in VECTOR_FLAGS)
 
 
 def fp32_kernels_run() -> bool:
-    """Do the fp32 kernels take calls here: on AVX-512 CPUs, or anywhere when TRANSMLA_KERNEL=cpu forces them."""
-    return wide_vectors() or os.environ.get(KERNEL_ENV, "").strip().lower() == "cpu"
+    """Do the fp32 kernels take calls here: on CPUs with fast_vectors, or anywhere when TRANSMLA_KERNEL=cpu forces them."""
+    return fast_vectors() or os.environ.get(KERNEL_ENV, "").strip().lower() == "cpu"
 
 
 def _cache_dir() -> Path:
@@ -119,7 +120,7 @@ class CKernel:
     def fits(self, q_rows: torch.Tensor, rows: torch.Tensor, d_c: int) -> bool:
         """Can one of the kernels run these operands (module ``fits``, with that kernel's head limit)?"""
         dtype = DTYPES.get(q_rows.dtype)
-        if dtype == "fp32" and not fp32_kernels_run():  # narrow vectors: SDPA is faster (module docstring)
+        if dtype == "fp32" and not fp32_kernels_run():  # a CPU they were not measured on (module docstring)
             return False
         return dtype is not None and fits(q_rows, rows, d_c, self.max_heads[dtype], q_rows.dtype)
 

@@ -33,7 +33,17 @@
 #define KB 64             /* keys per block (measured: 32 and 128 are slower here) */
 #define QB 16             /* query tokens per block */
 #define MB (QB * H)       /* query rows per block */
-#define RM 6              /* query rows per register tile: 6 x 4 accumulators + 4 operands */
+#define RM 6              /* query rows per register tile */
+/* Key vectors per score tile and value vectors per pass of the value product, so that RM x KJ
+ * accumulators + KJ operands + a broadcast fit the registers: with AVX-512 the whole block (6 x 4 + 4 of
+ * 32), with AVX2 16 keys (6 x 2 + 2 + 1 of 16; the block's scores pass through p). */
+#if VREGS >= 32
+#define KJ (KB / L)
+#define CV 4
+#else
+#define KJ 2
+#define CV 2
+#endif
 #define DV (DC / L)       /* value vectors per row (DC % 16 == 0 is checked by the caller) */
 #ifndef WC
 #define WC 32             /* score terms summed per chunk (a sum of W fp32 products in one register
@@ -47,29 +57,37 @@
 static inline void tile(const float *restrict q, const float *restrict kt, const float *restrict v, int n,
                         const int *restrict vis, float *restrict run_max, float *restrict run_sum,
                         float *restrict o, const int R, const int masked) {
-    vf acc[RM][KB / L];
+    vf acc[RM][KB / L];   /* the block's scores (KJ < KB / L: computed KJ vectors at a time through p) */
     float p[RM][KB] __attribute__((aligned(64)));   /* partial scores, then the probabilities */
-    for (int w0 = 0; w0 < W; w0 += WC) {   /* chunks of WC terms, summed at the end: blocked summation */
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < KB / L; j++) acc[i][j] = splat(0.f);
-        const int wn = W - w0 < WC ? W - w0 : WC;
-        for (int w = w0; w < w0 + wn; w++) {
-            vf k[KB / L];
-            for (int j = 0; j < KB / L; j++) k[j] = load(kt + w * KB + j * L);
-            for (int i = 0; i < R; i++) {
-                vf a = splat(q[i * W + w]);
-                for (int j = 0; j < KB / L; j++) acc[i][j] += a * k[j];
+    for (int j0 = 0; j0 < KB / L; j0 += KJ) {
+        for (int w0 = 0; w0 < W; w0 += WC) {   /* chunks of WC terms, summed at the end: blocked summation */
+            vf part[RM][KJ];
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < KJ; j++) part[i][j] = splat(0.f);
+            const int wn = W - w0 < WC ? W - w0 : WC;
+            for (int w = w0; w < w0 + wn; w++) {
+                vf k[KJ];
+                for (int j = 0; j < KJ; j++) k[j] = load(kt + w * KB + (j0 + j) * L);
+                for (int i = 0; i < R; i++) {
+                    vf a = splat(q[i * W + w]);
+                    for (int j = 0; j < KJ; j++) part[i][j] += a * k[j];
+                }
             }
+            if (w0 > 0)
+                for (int i = 0; i < R; i++)
+                    for (int j = 0; j < KJ; j++) part[i][j] += load(p[i] + (j0 + j) * L);
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < KJ; j++) {
+                    if (w0 + WC < W || KJ < KB / L) store(p[i] + (j0 + j) * L, part[i][j]);
+                    if (KJ == KB / L) acc[i][j0 + j] = part[i][j];
+                }
         }
-        if (w0 > 0)
-            for (int i = 0; i < R; i++)
-                for (int j = 0; j < KB / L; j++) acc[i][j] += load(p[i] + j * L);
-        if (w0 + WC < W)
-            for (int i = 0; i < R; i++)
-                for (int j = 0; j < KB / L; j++) store(p[i] + j * L, acc[i][j]);
     }
+    if (KJ < KB / L)   /* the scores come back from p (AVX-512 keeps them in registers) */
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < KB / L; j++) acc[i][j] = load(p[i] + j * L);
     float corr[RM];
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi lane = LANES;
     for (int i = 0; i < R; i++) {
         if (masked)
             for (int j = 0; j < KB / L; j++) acc[i][j] = sel(lane + j * L < vis[i], acc[i][j], splat(-INFINITY));
@@ -92,13 +110,13 @@ static inline void tile(const float *restrict q, const float *restrict kt, const
         }
         run_sum[i] = run_sum[i] * corr[i] + hsum(sum);
     }
-    for (int c0 = 0; c0 < DV; c0 += 4) {
-        const int C = DV - c0 < 4 ? DV - c0 : 4;
-        vf out[RM][4];
+    for (int c0 = 0; c0 < DV; c0 += CV) {
+        const int C = DV - c0 < CV ? DV - c0 : CV;
+        vf out[RM][CV];
         for (int i = 0; i < R; i++)
             for (int c = 0; c < C; c++) out[i][c] = load(o + i * DC + (c0 + c) * L) * corr[i];
         for (int j = 0; j < n; j++) {
-            vf x[4];
+            vf x[CV];
             for (int c = 0; c < C; c++) x[c] = load(v + j * W + (c0 + c) * L);
             for (int i = 0; i < R; i++) {
                 vf a = splat(p[i][j]);

@@ -1,19 +1,30 @@
-/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_prefill.c): 16 floats per vector
- * through GCC/Clang vector extensions, no intrinsics (the same source builds for AVX-512, AVX2 or NEON). */
+/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_prefill.c): L floats per vector through
+ * GCC/Clang vector extensions, no intrinsics: 16 where the CPU has AVX-512 (32 registers of 16 floats),
+ * else 8 (AVX2's 16 registers of 8 floats; NEON runs them as pairs). Wider vectors than the registers
+ * are lowered through the stack (kernels/NOTES.md), so the width follows the target. VREGS: how many
+ * vectors the register file holds, for the kernels' register tiles. */
 #ifndef TRANSMLA_CPU_VECTOR_H
 #define TRANSMLA_CPU_VECTOR_H
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
 #define L 16              /* floats per vector */
+#define VREGS 32
+#define LANES {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#else
+#define L 8
+#define VREGS 16
+#define LANES {0, 1, 2, 3, 4, 5, 6, 7}
+#endif
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int vi __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int vi __attribute__((vector_size(4 * L)));
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline vf splat(float x) { return x - (vf){}; }
 
 /* mask ? a : b, lane by lane (C has no vector ?:) */
 static inline vf sel(vi mask, vf a, vf b) {
@@ -26,28 +37,31 @@ static inline vf sel(vi mask, vf a, vf b) {
     return out;
 }
 
-/* Horizontal max and sum by halving: lanes swapped in groups of 8, 4, 2, 1 (log2 L steps instead of
+/* Horizontal max and sum by halving: lanes swapped in groups of L/2, ..., 2, 1 (log2 L steps instead of
  * L - 1 dependent scalar ones). */
-#define SWAP8(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
-#define SWAP4(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
-#define SWAP2(v) __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
-#define SWAP1(v) __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+#if L == 16
+#define HALVES(v, op)                                                                                  \
+    v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));  \
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));  \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));  \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
+#else
+#define HALVES(v, op)                                                    \
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));  \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));  \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))
+#endif
 
 static inline vf vmax(vf a, vf b) { return sel(a > b, a, b); }
+static inline vf vadd(vf a, vf b) { return a + b; }
 
 static inline float hmax(vf v) {
-    v = vmax(v, SWAP8(v));
-    v = vmax(v, SWAP4(v));
-    v = vmax(v, SWAP2(v));
-    v = vmax(v, SWAP1(v));
+    HALVES(v, vmax);
     return v[0];
 }
 
 static inline float hsum(vf v) {
-    v += SWAP8(v);
-    v += SWAP4(v);
-    v += SWAP2(v);
-    v += SWAP1(v);
+    HALVES(v, vadd);
     return v[0];
 }
 
