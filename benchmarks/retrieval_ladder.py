@@ -245,6 +245,12 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                                                                  far_layers=tuple(range(15, 25)))}, {},
                                           "rope-64+fit-repeat2-far256-mid-w2 (the CLI's 50% since 2026-11-27, late) with "
                                           "the far term at twice its weight again"),
+    "rope-64-nope-scale-4k+fit": ({**ROPE_64, "fit_shape": (64, 1024),
+                                   "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256, far_weight=2.0,
+                                                                         far_layers=tuple(range(15, 25)))},
+                                  {"nope_scale": True, "context": 4096},
+                                  "rope-64-nope-scale-4k with the CLI's 50% fit (two repeated spans, far term at weight 2 "
+                                  "on layers 15-24)"),
     "rope-64+fit-repeat2-far256-w025": ({**ROPE_64, "fit_shape": (64, 1024),
                                          "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256, far_weight=0.25)},
                                         {}, "rope-64+fit-repeat2-far256 with the far term at a quarter of the weight"),
@@ -373,6 +379,42 @@ def measure_saved(name: str, cache: ResultCache) -> None:
                                dev32=dev32, recall=recall, cpu=_cpu(), load=os.getloadavg()[0],
                                date=time.strftime("%Y-%m-%d %H:%M"))
     source_recall(b, cache)
+
+
+def measure_stage_recall(name: str, cache: ResultCache) -> None:
+    """Dev recall of a fit-free variant's stages before the truncation ("rorope": RoRoPE + FreqFold at full
+    latent rank) and after it ("bkv_pca", what the fit starts from): which step loses recall (issue 34)."""
+    import torch
+
+    from transmla.convert.options import ConvertOptions
+    from transmla.convert.pipeline import LayerStream
+    from transmla.convert.registry import get_method
+
+    from .smollm2 import Bench
+
+    options_kw, plan_kw, _ = VARIANTS[name]
+    if name not in cache.results or "fit_shape" in options_kw or "saved" in options_kw or options_kw.get("fit_steps") != 0:
+        raise SystemExit(f"{name}: --stage-recall takes a measured fit-free variant (e.g. rope-64)")
+    b = Bench()
+    options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items() if v is not None})
+    method = get_method("transmla")
+    stream = LayerStream(method, b.src_dir, b.config, options, progress=False)
+    if plan_kw:
+        stream.plan = replace(stream.plan, **plan_kw)
+    stages: dict[str, list] = {}
+    for src, st in zip(b.sources, cached_stats(b, stream)):
+        for k, v in method.stage_layers(stream.plan, src, st).items():
+            stages.setdefault(k, []).append(v)
+    found = {}
+    for stage in STAGE_RECALL:
+        with torch.no_grad():
+            found[stage] = dev_recall(b.model(stages[stage]), b.tok)
+        log(f"{name} {stage}: dev recall {found[stage]}")
+    cache.results[name]["stage_recall"] = found
+    source_recall(b, cache)
+
+
+STAGE_RECALL = ("rorope", "bkv_pca")
 
 
 def dev_recall(model, tok) -> dict:
@@ -520,7 +562,24 @@ before measuring, against far256-mid-w2 (dev recall 52% / 1.213, keys 0.336 / 23
 0.964): it replaces the default only if its dev recall nll is 1.188 or lower (10% of w2's gap to the source) with
 dev recall accuracy 52% or more, its key NLL 0.350 or lower with 21 or more exact, and its dev32 27.48 or lower
 (+1%); then the test tables are rerun for it before the CLI takes it. Not run this session (a conversion with the
-far term is 84 min on this EPYC; the CPU went to the w2 test tables)."""
+far term is 84 min on this EPYC; the CPU went to the w2 test tables).
+
+Which step loses recall (session of 2026-11-27 night; `--stage-recall rope-64`, the 50% default's plan before
+its fit): dev recall is 28% / 1.856 after RoRoPE at full latent rank (the source 58% / 0.964; chance 25%),
+28% / 2.169 after the truncation; the fit brings it back to 47% / 1.491 (rope-64+saved) and, with the far term
+at weight 2, 52% / 1.213. RoRoPE, which takes RoPE away from two of the three KV heads' components at every
+frequency, loses 74% of the nll the conversion loses before its fit. The expected squared logit error of
+RoRoPE's choice (rorope.logit_error, independent queries and keys) is 0.6-3.8% on layers 15-24, and a
+query-aware rotation (per frequency the direction minimising tr(D P C P), D the groups' query energies, C
+the key pair moment, P the projection off it) lowers it by less than 0.005 on any layer: second moments do
+not see what recall reads. The NoPE'd components keep their unrotated score at every distance, where the
+source's rotates and averages out far back; scaling each by E cos(w Delta) over the context (nope_scale,
+least squares) removes the fast ones. Written before measuring: rope-64-nope-scale-4k (fit-free, the grid's
+choice and the scale over a 4K context) is a screen whose rorope / bkv_pca dev recall is reported; for time
+its "+fit" (the CLI's 50% fit as it is: two repeated spans, far term at weight 2 on layers 15-24) runs beside
+it, and is judged against far256-mid-w2 by w4's rule: dev recall nll 1.188 or lower with accuracy 52% or more,
+keys 0.350 or lower with 21 or more exact, dev32 27.48 or lower. w4 was stopped at its 17th layer for it (the
+rotation is where recall is lost; the far term's weight is a refinement of the fit)."""
 
 
 def report(results: dict) -> str:
@@ -545,6 +604,18 @@ def report(results: dict) -> str:
     src_recall = results.get("_source", {}).get("recall")
     if src_recall:
         L += ["", f"Source dev recall: {src_recall['acc']:.0%} / {src_recall['nll']:.3f} ({src_recall['seconds']:.0f} s)."]
+    staged = [n for n in order if results[n].get("stage_recall")]
+    if staged:
+        L += ["", "Dev recall at each stage (accuracy / nll; `--stage-recall NAME`): rorope = RoRoPE + FreqFold at full latent "
+              "rank, bkv_pca = the latent truncated (the method without the fit); the fitted conversions of the same plan "
+              "beside them.", "", "| variant | source | rorope | bkv_pca | with the fit |", "|---|---|---|---|---|"]
+        cell = lambda rec: f"{rec['acc']:.0%} / {rec['nll']:.3f}" if rec else "-"  # noqa: E731
+        for n in staged:
+            fitted = [f"{m}: {cell(results[m]['recall'])}" for m in order
+                      if m.startswith(n + "+") and results[m].get("recall")]
+            st = results[n]["stage_recall"]
+            L.append(f"| {n} | {cell(src_recall)} | {cell(st.get('rorope'))} | {cell(st.get('bkv_pca'))} | "
+                     f"{'; '.join(fitted) or '-'} |")
     L += ["", FINDINGS]
     if order:
         r0 = results[order[0]]
@@ -557,9 +628,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="comma-separated variants")
     ap.add_argument("--report", action="store_true", help="only rewrite the table")
+    ap.add_argument("--stage-recall", default=None, metavar="NAME",
+                    help="dev recall of a measured fit-free variant's stages (rorope, bkv_pca)")
     args = ap.parse_args(argv)
     cache = ResultCache(OUT / f"{STEM}.json")
-    if not args.report:
+    if args.stage_recall:
+        measure_stage_recall(args.stage_recall, cache)
+    elif not args.report:
         for name in (args.only.split(",") if args.only else VARIANTS):
             if name not in VARIANTS:
                 raise SystemExit(f"unknown variant {name!r}: {', '.join(VARIANTS)}")
