@@ -579,7 +579,11 @@ choice and the scale over a 4K context) is a screen whose rorope / bkv_pca dev r
 its "+fit" (the CLI's 50% fit as it is: two repeated spans, far term at weight 2 on layers 15-24) runs beside
 it, and is judged against far256-mid-w2 by w4's rule: dev recall nll 1.188 or lower with accuracy 52% or more,
 keys 0.350 or lower with 21 or more exact, dev32 27.48 or lower. w4 was stopped at its 17th layer for it (the
-rotation is where recall is lost; the far term's weight is a refinement of the fit)."""
+rotation is where recall is lost; the far term's weight is a refinement of the fit).
+Result: rope-64-nope-scale-4k+fit gives keys 0.296 / 25 exact (the best of any 50% variant, the source 0.301 / 15),
+but dev recall 47% / 1.400 against far256-mid-w2's 52% / 1.213 and dev32 29.46 (+8.3%): rejected on recall and
+perplexity. The scale helps exact copying (passkeys) and not association (recall), and its start (attention-output
+error 0.271 before the fit, 0.071 after, against the default's 0.161 / 0.051) costs the near-token fit."""
 
 
 def report(results: dict) -> str:
