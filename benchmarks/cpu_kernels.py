@@ -38,12 +38,11 @@ def _best(fn, repeats: int) -> float:
 
 
 def _cpu() -> dict:
-    from transmla.mla.kernels.cpu_build import fast_vectors
+    from transmla.machine import environment
+    from transmla.mla.kernels.cpu_build import cpu_flags, fast_vectors
 
-    text = open("/proc/cpuinfo").read()
-    name = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-    flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
-    vectors = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    name = environment()["machine"].split("(", 1)[1].rsplit(",", 1)[0]  # the model name, as every report gives it
+    vectors = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
     return {"cpu": name, "cores": os.cpu_count(), "vector_flags": vectors, "auto": "kernel" if fast_vectors() else "SDPA"}
 
 

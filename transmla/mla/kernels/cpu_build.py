@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CKernel", "DTYPES", "KERNEL_ENV", "STATUS", "build", "fits", "fast_vectors", "fp32_kernels_run", "pool"]
+__all__ = ["CKernel", "DTYPES", "KERNEL_ENV", "STATUS", "build", "cpu_flags", "fits", "fast_vectors", "fp32_kernels_run", "pool"]
 
 KERNEL_DIR = Path(__file__).parent  # the kernels' sources and the headers they include
 HEADERS = tuple(sorted(KERNEL_DIR.glob("*.h")))  # cpu_vector.h, cpu_amx.h
@@ -43,15 +43,19 @@ VECTOR_FLAGS = ({"avx512f"}, {"avx2", "fma"})
 
 
 @functools.lru_cache(maxsize=1)
-def fast_vectors() -> bool:
-    """Does this CPU have a vector unit the fp32 kernels were measured fast on (VECTOR_FLAGS, from
-    /proc/cpuinfo)? False where that cannot be read (no Linux /proc, another architecture: not measured)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read: no Linux /proc)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return any(needed <= flags for needed in VECTOR_FLAGS)
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def fast_vectors() -> bool:
+    """Does this CPU have a vector unit the fp32 kernels were measured fast on (VECTOR_FLAGS)? False where
+    the flags cannot be read (another OS or architecture: not measured)."""
+    return any(needed <= cpu_flags() for needed in VECTOR_FLAGS)
 
 
 def fp32_kernels_run() -> bool:
