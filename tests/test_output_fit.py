@@ -4,6 +4,7 @@ the source attention's output, streamed layer by layer."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -407,3 +408,40 @@ def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_fa
     for k in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
         assert torch.equal(getattr(with_far[0], k), getattr(without[0], k)), k
     assert not torch.equal(with_far[1].kv_b_proj, without[1].kv_b_proj)
+
+
+def test_the_schedule_sets_adams_rate_at_each_step():
+    """Warmup rises linearly to lr, the cosine falls to LR_FLOOR of it by the last step; constant stays."""
+    cosine = FitSettings(steps=100, schedule="cosine", warmup=10)
+    assert cosine.lr_factor(0) == pytest.approx(0.1 * (output_fit.LR_FLOOR + (1 - output_fit.LR_FLOOR)))
+    assert cosine.lr_factor(9) == pytest.approx(output_fit.LR_FLOOR + (1 - output_fit.LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.09)))
+    assert cosine.lr_factor(50) == pytest.approx(output_fit.LR_FLOOR + (1 - output_fit.LR_FLOOR) * 0.5)
+    assert cosine.lr_factor(100) == pytest.approx(output_fit.LR_FLOOR)
+    assert [FitSettings(steps=10).lr_factor(s) for s in (0, 9)] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="schedule must be one of constant, cosine, got 'linear'"):
+        FitSettings(steps=10, schedule="linear")
+    with pytest.raises(ValueError, match="warmup must be 0 or positive"):
+        FitSettings(steps=10, warmup=-1)
+
+
+def test_relative_rates_move_each_tensor_in_units_of_its_rms(tiny_factory):
+    """With relative_lr, Adam's first step moves each weight by about lr x its tensor's RMS (Adam's first
+    step is lr x sign(grad)); scaling every weight by 10 scales the step by 10, which absolute rates do not."""
+    config, layer, x, z = _first_layer_io(tiny_factory, _ids(4, 8, 16))
+
+    def first_step(layer, relative):
+        attn = mla_attention(config, layer, "cpu")
+        before = {k: v.detach().clone() for k, v in attn.named_parameters()}
+        settings = FitSettings(steps=1, lr=1e-2 if relative else 1e-3, relative_lr=relative, closed_form=False)
+        output_fit._adam_run(attn, x, z, torch.arange(x.shape[1])[None], 4, settings, settings.lr, check=False)
+        return {k: (v.detach() - before[k]).abs().max() for k, v in attn.named_parameters()}, before
+
+    for relative in (False, True):
+        moved, before = first_step(layer, relative)
+        big, _ = first_step(layer.with_tensors({k: v * 10 if k.endswith("proj.weight") else v
+                                                for k, v in layer.state_dict("").items()}), relative)
+        for name in ("q_proj.weight", "kv_b_proj.weight"):
+            rms = float(before[name].pow(2).mean().sqrt())
+            expected = 1e-2 * rms if relative else 1e-3
+            assert moved[name] == pytest.approx(expected, rel=1e-3), name
+            assert big[name] == pytest.approx(expected * (10 if relative else 1), rel=1e-3), name

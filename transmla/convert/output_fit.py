@@ -29,6 +29,7 @@ built-in model: benchmarks/results/output_fit.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,9 @@ MAX_BACKOFFS = 1
 # errors come from float64 sums whose cancellation (and the fp32 outputs) leave noise far below it, and an
 # exact layer must stay exactly as it is.
 ERROR_NOISE = 1e-9
+SCHEDULES = ("constant", "cosine")
+LR_FLOOR = 0.05  # the cosine schedule's last factor
+RELATIVE_FLOOR = 1e-2
 # 64 sequences x 1024 tokens: the same tokens as the earlier 1024 x 64, but the fit sees attention over
 # distances up to 1024, which retrieval at length needs: chosen over 128 x 512 and 1024 x 64 on dev passkey
 # keys and dev32 perplexity by the rule written before measuring (benchmarks/results/retrieval_ladder.md,
@@ -79,6 +83,24 @@ class FitSettings:
     far_weight: float = 1.0
     far_queries: int = 256  # far query positions per sequence in each step's far term (random; 0: all)
     far_layers: tuple[int, ...] = ()  # the source layers whose fit has the far term (empty: every layer)
+    # Adam's learning rate over the steps: "constant", or "cosine" (lr * (1 + cos(pi * step / steps)) / 2,
+    # down to LR_FLOOR of lr); either after `warmup` steps rising linearly from lr / warmup.
+    schedule: str = "constant"
+    warmup: int = 0
+    relative_lr: bool = False  # lr in units of each tensor's RMS (at least RELATIVE_FLOOR)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be 0 or positive, got {self.warmup}")
+
+    def lr_factor(self, step: int) -> float:
+        """The factor of lr at Adam step `step` (0-based)."""
+        factor = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+        if self.schedule == "cosine":
+            factor *= LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * step / max(1, self.steps)))
+        return factor
 
 
 # The CLI's far term (issue 34): chosen by its written rule on dev recall, dev keys and dev perplexity
@@ -209,7 +231,14 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
     """`settings.steps` Adam steps at `lr`, in place; with `check`, False (stopped) when the loss has
     not come back below its start by the check step (see adam_fit). z_far: far_targets' [N, T - far - 1, D]."""
     params = list(attn.parameters())
-    opt = torch.optim.Adam(params, lr=lr)
+    if settings.relative_lr:  # each tensor's rate in units of its own RMS (Adam's steps are about lr each)
+        groups = [{"params": [p], "lr": lr * max(float(p.detach().pow(2).mean().sqrt()), RELATIVE_FLOOR)} for p in params]
+    else:
+        groups = [{"params": params, "lr": lr}]
+    for group in groups:
+        group["base_lr"] = group["lr"]
+    opt = torch.optim.Adam(groups)
+    scheduled = settings.schedule != "constant" or settings.warmup
     gen = torch.Generator().manual_seed(settings.seed)
     scale = z.pow(2).mean()
     if z_far is not None:
@@ -243,6 +272,9 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
                     return False
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if scheduled:
+                for group in opt.param_groups:
+                    group["lr"] = group["base_lr"] * settings.lr_factor(step)
             opt.step()
     return True
 
