@@ -140,7 +140,10 @@ held-out error is at most the CLI fit's on all three layers (rel200-q256, else r
 cheaper one is judged by the FAST rule against cli-25+fit-repeat2 (dev32 43.48 or lower, key NLL 1.103 or
 lower, 15 exact or more); rel200 (the same cost) by the 25% rule against it (key NLL 0.989 or lower, 16
 exact or more, dev32 43.91 or lower). If it passes it becomes the CLI's fit at 25% and below; at 50% it
-waits for a run of its own (the far term's rule).
+waits for a run of its own (the far term's rule). The screen picked rel200-q256 (0.1330 / 0.1908 / 0.2048 in 45 s
+a layer against the CLI fit's 94-114 s; rel150: 0.1335 / 0.1907 / 0.2063). Written while it ran, before any
+result: the second core, once free, runs rel200 too, judged by its rule above; if both pass, the cheaper
+(rel200-q256) becomes the default.
 """
 
 from __future__ import annotations
