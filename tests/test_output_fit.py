@@ -445,3 +445,28 @@ def test_relative_rates_move_each_tensor_in_units_of_its_rms(tiny_factory):
             expected = 1e-2 * rms if relative else 1e-3
             assert moved[name] == pytest.approx(expected, rel=1e-3), name
             assert big[name] == pytest.approx(expected * (10 if relative else 1), rel=1e-3), name
+
+
+def test_cli_fit_at_a_quarter_of_the_cache_has_relative_rates(tiny_factory):
+    """The CLI's fit (no FitSettings given) at 25% of the cache and below takes RELATIVE_FIT (relative rates,
+    warmup, cosine, 256 sampled queries; recorded in the conversion's calibration), at half the cache not; a
+    conversion through the pipeline with it lowers the output error as the plain fit does."""
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    half_plan = TransMLAPlan(kv_lora_rank=12, rope_dim=4, freqfold="auto")  # 16 of the source's 32 elements
+    ids = _ids(3, 4, 64)
+
+    def stream(plan):
+        options = ConvertOptions.of(method="transmla", device="cpu", fit_steps=30)
+        return LayerStream(get_method("transmla"), path, config, options, progress=False, calib_ids=_ids(1, 2, 32),
+                           plan=plan, fit_ids=ids)
+
+    quarter, half = stream(PLAN), stream(half_plan)
+    expected = FitSettings(steps=30, seed=0, bf16=quarter.fit.bf16, **output_fit.RELATIVE_FIT)
+    assert quarter.fit == expected and quarter.fit.queries == 256 and quarter.fit.relative_lr
+    assert {k: quarter.calibration["fit"][k] for k in ("relative_lr", "schedule", "warmup", "queries")} == {
+        "relative_lr": True, "schedule": "cosine", "warmup": 10, "queries": 256}
+    assert not half.fit.relative_lr and half.fit.schedule == "constant" and "relative_lr" not in half.calibration["fit"]
+    list(quarter)
+    errors = [info["output_error"] for info in quarter.infos]
+    assert all(after < before for before, after in errors), errors

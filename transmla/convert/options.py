@@ -50,7 +50,8 @@ class CalibrationOptions:
     fit_steps: int | None = option(
         None, "Output-aware fit after converting each layer: the layer's projections fitted to the source "
         "attention's output on calibration text (o_proj in closed form, then this many Adam steps; keeping half "
-        "the cache or more, the middle-to-late layers also fit what is read from 256+ tokens back). "
+        "the cache or more, the middle-to-late layers also fit what is read from 256+ tokens back; keeping a quarter or "
+        "less, Adam's rates are relative to each weight's scale and its loss samples 256 queries per sequence). "
         "Default: the method's own (200 for transmla, 0 for mha2mla); 0 turns it off.",
     )
 

@@ -13,6 +13,8 @@ is the attention output. Per layer, with X [N, T, D] the attention input of the 
    minibatches of about FitSettings.minibatch_tokens tokens; their forward and backward passes run
    under bf16 autocast where bf16 products pay (the CLI's choice, dtypes.fast_bf16_matmul: AMX CPUs and
    GPUs; the same dev perplexity as fp32, benchmarks/results/output_fit.md and fit_cost.md);
+   At a quarter of the cache or less the CLI's Adam takes RELATIVE_FIT: each tensor's rate in units of its
+   own RMS, warmup and a cosine decay, the loss on 256 sampled query positions per sequence;
 3. o_proj in closed form again (the optimum for the other projections as fitted).
 Of the method's layer, the layer after step 1 and the layer after step 3, the one with the lowest
 error on the fit sequences is kept. Adam's learning rate can make a layer worse where the
@@ -120,16 +122,30 @@ def far_layers_for(num_layers: int) -> tuple[int, ...]:
     return tuple(range(num_layers // 2, max(num_layers // 2 + 1, -(-5 * num_layers // 6))))
 
 
+# The CLI's fit for a conversion that keeps at most RELATIVE_MAX_BUDGET of the cache (issue 36): Adam's rates
+# relative to each tensor's RMS, 10 warmup steps, a cosine decay, no back-off check (what the relative rate is
+# for), its loss on 256 sampled query positions per sequence. Chosen by the rule written before measuring
+# (benchmarks/results/retrieval_ladder.md, cli-25+fit-rel200-q256 against cli-25+fit-repeat2): at 25% of the
+# built-in model's cache about half the conversion time, with lower dev perplexity and key NLL. Above that
+# budget the fit stays as it was until a run of its own passes there (the far term's rule at 50%).
+RELATIVE_FIT = dict(lr=1e-2, relative_lr=True, schedule="cosine", warmup=10, diverged=1e9, queries=256)
+RELATIVE_MAX_BUDGET = 0.25
+
+
 def default_fit_settings(steps: int, seed: int, bf16: bool, cache_elements: int | None, source_elements: int,
                          num_layers: int, fit_tokens: int) -> FitSettings:
     """The CLI's fit: `steps` Adam steps, with the far term where it was chosen: a conversion that keeps
     at least what --kv-budget FAR_MIN_BUDGET keeps (cache_elements of the source's source_elements per
-    token per layer; None: unknown, no far term), fit sequences of fit_tokens > FAR_TOKENS + 1."""
-    far = (cache_elements is not None and cache_elements >= budget_elements(FAR_MIN_BUDGET, source_elements)
-           and fit_tokens > FAR_TOKENS + 1)
-    return FitSettings(steps=steps, seed=seed, bf16=bf16, **({"far": FAR_TOKENS, "far_weight": FAR_WEIGHT,
-                                                                "far_layers": far_layers_for(num_layers)}
-                                                            if far else {}))
+    token per layer; None: unknown, neither), fit sequences of fit_tokens > FAR_TOKENS + 1; with
+    RELATIVE_FIT where it was chosen: a conversion that keeps at most what --kv-budget
+    RELATIVE_MAX_BUDGET keeps."""
+    known = cache_elements is not None
+    far = known and cache_elements >= budget_elements(FAR_MIN_BUDGET, source_elements) and fit_tokens > FAR_TOKENS + 1
+    relative = known and cache_elements <= budget_elements(RELATIVE_MAX_BUDGET, source_elements)
+    return FitSettings(steps=steps, seed=seed, bf16=bf16,
+                       **({"far": FAR_TOKENS, "far_weight": FAR_WEIGHT, "far_layers": far_layers_for(num_layers)}
+                          if far else {}),
+                       **(RELATIVE_FIT if relative else {}))
 
 
 def far_mask(T: int, far: int, window: int = 0, device=None) -> torch.Tensor:
@@ -355,6 +371,6 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
     return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
-__all__ = ["DEFAULT_FIT_CALIBRATION", "FAR_MIN_BUDGET", "FAR_TOKENS", "FAR_WEIGHT", "FitSettings", "default_fit_settings",
+__all__ = ["DEFAULT_FIT_CALIBRATION", "FAR_MIN_BUDGET", "RELATIVE_FIT", "RELATIVE_MAX_BUDGET", "FAR_TOKENS", "FAR_WEIGHT", "FitSettings", "default_fit_settings",
            "far_layers_for", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
            "refit_o_proj", "refit_o_proj_errors"]

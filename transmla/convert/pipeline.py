@@ -138,7 +138,9 @@ class LayerStream:
             self.calibration["fit"] = {"steps": fit.steps, "lr": fit.lr, "closed_form": fit.closed_form,
                                        "bf16": fit.bf16, "sequences": list(fit_ids.shape), "repeated_spans": spans,
                                        **({"far": fit.far, "far_weight": fit.far_weight, "far_layers": list(fit.far_layers)}
-                                          if fit.far else {})}
+                                          if fit.far else {}),
+                                       **({"relative_lr": True, "schedule": fit.schedule, "warmup": fit.warmup,
+                                           "queries": fit.queries} if fit.relative_lr else {})}
         elif cal.fit_steps:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
         self.fit = fit
