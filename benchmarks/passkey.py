@@ -66,7 +66,9 @@ EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 6
            # the 50% fit before its far term (2026-11-27: retrieval_ladder rope-64+fit-repeat2-far256-mid)
            "transmla 50% exportable, no far term",
            # the far term at weight 1 (its first weight, 2026-11-27; then 2: retrieval_ladder rope-64+fit-repeat2-far256-mid-w2)
-           "transmla 50% exportable, far weight 1")
+           "transmla 50% exportable, far weight 1",
+           # the 25% fit before its relative rates (2026-11-27 night: retrieval_ladder cli-25+fit-rel200-q256)
+           "transmla 25% exportable, constant-rate fit")
 
 
 # The CPU of the runs made before each row recorded its own (every one of them ran on this Xeon).
@@ -198,7 +200,9 @@ def report(data: dict) -> None:
         f"span repeated later in each (issue 34); {EARLIER[5]}, {EARLIER[6]}: the 25% and 50% commands while their fit "
         f"repeated one span per sequence (two since 2026-11-27); {EARLIER[7]}: the 50% command before its fit had "
         "the far term (attention over keys 256+ tokens back fitted too, on layers 15-24; since 2026-11-27); "
-        f"{EARLIER[8]}: the 50% command while its far term had weight 1 (its first weight; 2 since the ladder's rope-64+fit-repeat2-far256-mid-w2)"
+        f"{EARLIER[8]}: the 50% command while its far term had weight 1 (its first weight; 2 since the ladder's rope-64+fit-repeat2-far256-mid-w2); "
+        f"{EARLIER[9]}: the 25% command while its fit's Adam had one constant rate for every tensor (relative rates, "
+        "a cosine decay and 256 sampled queries since the ladder's cli-25+fit-rel200-q256, 2026-11-27)"
         + "".join(f"; {role}: the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
                   "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps "
                   "of 1024 wiki tokens)" for role in HEALED if merged(data, role) is not None) + ".",
