@@ -274,6 +274,10 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-repeat2-far256-w025": ({**ROPE_64, "fit_shape": (64, 1024),
                                          "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256, far_weight=0.25)},
                                         {}, "rope-64+fit-repeat2-far256 with the far term at a quarter of the weight"),
+    "cli-25+saved": ({"kv_budget": 0.25, "saved": "out/passkey/transmla-25-shared-constant",
+                      "timing": "convert/0.25-shared-constant"}, {},
+                     "the CLI's 25% conversion with the constant-rate fit (cli-25+fit-repeat2's settings; `make demo`'s "
+                     "of 2026-11-27 night), read from its folder"),
     "cli-25+fit-rel200": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(REL_FIT, steps=200)}, {},
                           "cli-25+fit-repeat2 with Adam's rates relative to each tensor's RMS, warmup and cosine decay"),
@@ -620,8 +624,10 @@ relative to each tensor's RMS, warmup and a cosine decay, its loss on 256 sample
 dev32 42.14 against cli-25+fit-repeat2's 1.065 / 16 and 43.05, converting in 1661 s where the same CLI conversion
 with the earlier fit took 3394 s on this machine under the same load (`make demo`, the same night): it passes
 its FAST rule (key NLL 1.103 or lower, 15 exact or more, dev32 43.48 or lower) and is the CLI's fit at 25% of
-the cache and below (output_fit.RELATIVE_FIT). Its dev recall, 28% / 2.137 (chance 25%), has no earlier 25%
-row to compare with. The same schedule without sampling (cli-25+fit-rel200, at the old fit's cost: 3158 s here)
+the cache and below (output_fit.RELATIVE_FIT). Its dev recall, 28% / 2.137 (chance 25%), against 27% / 2.224 of
+the CLI's conversion with the old fit (cli-25+saved: `make demo`'s folder, whose keys and dev32 equal
+cli-25+fit-repeat2's, so it is that conversion). Test table (benchmarks/passkey, the CLI's new 25% conversion):
+8 / 3 / 1 / 0 of 9 at 1K / 2K / 4K / 8K, 12 of 36, the source's 12 (old fit: 11); wiki-test 32 32.87 (old 33.53). The same schedule without sampling (cli-25+fit-rel200, at the old fit's cost: 3158 s here)
 gives dev32 41.55 (-3.5%) but keys 0.995 / 14: it fails its 25% rule (0.989 or lower with 16 or more exact), so
 the sampled variant stays the default; the two differ by less than the keys' noise, and the relative rates,
 not the sampling, carry the gain in perplexity."""
