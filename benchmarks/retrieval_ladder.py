@@ -155,6 +155,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from transmla.convert.output_fit import RELATIVE_FIT
+
 from .common import ResultCache, log
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -173,7 +175,8 @@ ROPE_64 = {"kv_budget": None, "kv_lora_rank": 128, "rope_dim": 64}
 # FitSettings fields of a cheaper output fit (issue 36), screened per layer first (layers 2/12/25 at 25%)
 FAST_FIT = dict(steps=150, lr=1e-3, queries=128, closed_form_queries=512, diverged=1.5)
 # Adam with relative rates, warmup and a cosine decay (issue 36): FitSettings fields beside the steps
-REL_FIT = dict(lr=1e-2, relative_lr=True, schedule="cosine", warmup=10, diverged=1e9)
+# (the CLI's RELATIVE_FIT at 25% since these ran, less its query sampling, which the variants set themselves)
+REL_FIT = {k: v for k, v in RELATIVE_FIT.items() if k != "queries"}
 # name -> (options beside BASE, plan fields replaced, what it asks)
 VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-50": ({**OLD_50, "fit_steps": 0}, {},
