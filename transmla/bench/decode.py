@@ -340,15 +340,18 @@ def tune_mla_triton(
     copy_gbps: float | None = None,
     warmup: int = 10,
     rep: int = 50,
-    split_candidates=(1, 2, 3, 4, 6, 8, 12, 16),
+    split_candidates=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
     dry_run: bool = False,
     max_configs: int | None = None,
+    first_tiles: tuple[dict, ...] = (),
 ) -> tuple[dict, list[dict]]:
     """Small search over the kernel's launch parameters for one shape.
 
     Stage 1: tile configs (block_h, block_n, num_warps, num_stages) whose shared-memory estimate
-    fits the device, splits from the default heuristic. Stage 2: split counts with the best tile
-    config. Returns (best kwargs, all timed rows); configs that fail to compile are skipped.
+    fits the device, `first_tiles` first, splits from the default heuristic. Stage 2: split counts
+    with the best tile config. Under `max_configs`, stage 1 stops early enough that every split
+    count of stage 2 is still timed (the split count is what a small batch needs most).
+    Returns (best kwargs, all timed rows); configs that fail to compile are skipped.
     """
     import triton
 
@@ -395,16 +398,21 @@ def tune_mla_triton(
     for bh, bn, nw, st in itertools.product(block_hs, (32, 64), (4, 8), (2, 3, 4)):
         if smem_estimate(bh, bn, block_dc, block_dr, st, s.elem) <= smem_max:
             tiles.append(dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=st))
+    tiles = [t for t in first_tiles if t in tiles] + [t for t in tiles if t not in first_tiles]
+    splits = [ns for ns in split_candidates if ns * 128 <= s.context]
+    tile_limit = None if max_configs is None else max(1, max_configs - len(splits))
     best_kw, best_ms = dict(default), timed(dict(default))
     for t in tiles:
+        if tile_limit is not None and len(results) >= tile_limit:
+            break
         kw = dict(t, num_splits=default["num_splits"])
         if kw == default:
             continue
         ms = timed(kw)
         if ms is not None and (best_ms is None or ms < best_ms):
             best_kw, best_ms = kw, ms
-    for ns in split_candidates:
-        if ns == best_kw["num_splits"] or ns * 128 > s.context:
+    for ns in splits:
+        if ns == best_kw["num_splits"]:
             continue
         kw = dict(best_kw, num_splits=ns)
         ms = timed(kw)
