@@ -261,7 +261,7 @@ TUNE_CONFIGS = 30  # per shape: the search compiles each (a second or two apiece
 # where the default moved 40%), tried first on every shape so its split counts are always timed
 TUNE_FIRST_TILES = (dict(block_h=32, block_n=64, num_warps=4, num_stages=3),
                     dict(block_h=16, block_n=64, num_warps=4, num_stages=3))
-TUNE_KEYS = ("config", "ms", "bandwidth_fraction", "is_default")  # kept per timed config: the data for default_config
+TUNE_KEYS = ("config", "ms", "bandwidth_fraction", "is_default", "timing")  # kept per timed config: the data for default_config
 
 
 def tune_grid(dry: bool):

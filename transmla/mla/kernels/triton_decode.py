@@ -263,23 +263,28 @@ def default_config(
 
     BLOCK_H covers all rows of a sequence when they fit (then each latent tile is read once per
     split), capped at 32 for d_c > 256 or fp32 (accumulator registers), 64 otherwise; >= 16 for
-    tl.dot. Warps give each thread <= 64 fp32 accumulator elements. Pipeline depth: as many
-    stages as fit in ~70% of the opt-in shared memory (at most 4). Splits: `choose_num_splits`.
-    Chosen from compile-only register/shared-memory reports for sm_90; not tuned on hardware.
+    tl.dot. Warps give each thread <= 64 fp32 accumulator elements, except 16-bit caches with
+    d_c >= 512, which take 64-row tiles on 4 warps (measured on the H200 at 32 heads, d_c 512,
+    batch 32, 16K: 74% of the copy bandwidth against 40% for 32-row tiles on 8 warps;
+    benchmarks/results/gpu_check). Pipeline depth: as many stages as fit in ~70% of the opt-in
+    shared memory (at most 4; all of it for those wide 16-bit tiles, whose third stage was the
+    measured gain). Splits: `choose_num_splits`. The other shapes keep the choice made from
+    compile-only register/shared-memory reports for sm_90.
     """
     elem = torch.empty((), dtype=dtype).element_size()
     block_dc = max(16, _next_pow2(d_c))
     block_dr = max(16, _next_pow2(d_r)) if d_r > 0 else 0
+    wide16 = block_dc >= 512 and elem == 2
     cap = 32 if (block_dc >= 512 or elem == 4) else 64
     block_h = min(cap, max(16, _next_pow2(rows)))
-    block_n = 32 if (block_dc >= 512 or elem == 4) else 64
-    num_warps = max(4, min(8, block_h * block_dc // 2048))
+    block_n = 32 if (block_dc >= 512 or elem == 4) and not wide16 else 64
+    num_warps = 4 if wide16 else max(4, min(8, block_h * block_dc // 2048))
     if device.type == "cuda" and not INTERPRET:
         sms, smem_optin = _device_limits(
             device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms, smem_optin = 4, 227 * 1024  # interpreter: few programs
-    budget = int(0.7 * smem_optin)
+    budget = smem_optin if wide16 else int(0.7 * smem_optin)
     num_stages = 2
     for st in (4, 3):
         if smem_estimate(block_h, block_n, block_dc, block_dr, st, elem) <= budget:
