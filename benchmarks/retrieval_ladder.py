@@ -144,6 +144,14 @@ waits for a run of its own (the far term's rule). The screen picked rel200-q256 
 a layer against the CLI fit's 94-114 s; rel150: 0.1335 / 0.1907 / 0.2063). Written while it ran, before any
 result: the second core, once free, runs rel200 too, judged by its rule above; if both pass, the cheaper
 (rel200-q256) becomes the default.
+
+rope-64+fit-rel200-q256-far (issues 34 and 36; session of 2026-11-28, written before measuring): the 25% fit
+(relative rates, warmup, cosine decay, 256 sampled queries) with the 50% default's far term (256 tokens,
+weight 2, layers 15-24). Against rope-64+fit-repeat2-far256-mid-w2 (the CLI's 50% fit: dev recall 52% /
+1.213, keys 0.336 / 23, dev32 27.21; source dev recall 58% / 0.964): it becomes the CLI's fit at 50% too only if
+its dev recall nll is 1.238 or lower (w2's plus 10% of its gap to the source) with accuracy 50% or more, its key
+NLL 0.350 or lower with 21 or more exact, and its dev32 27.48 or lower (+1%); then the 50% test tables
+(benchmarks/passkey, wiki-test 32) are rerun for it.
 """
 
 from __future__ import annotations
@@ -290,6 +298,11 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-25+fit-rel200-q256": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                                 "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {},
                                "cli-25+fit-rel200 with Adam's loss on 256 sampled queries per sequence"),
+    "rope-64+fit-rel200-q256-far": ({**ROPE_64, "fit_shape": (64, 1024), "fit_repeat": 2,
+                                     "fit_settings": dict(RELATIVE_FIT, steps=200, far=256, far_weight=2.0,
+                                                          far_layers=tuple(range(15, 25)))}, {},
+                                    "rope-64+fit-repeat2-far256-mid-w2 (the CLI's 50%) with the 25% fit's relative "
+                                    "rates, schedule and query sampling"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
