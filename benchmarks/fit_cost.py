@@ -116,6 +116,14 @@ class StageClock:
                 setattr(owner, name, fn)
 
 
+def fit_rates(out: Path) -> str:
+    """How the written conversion's fit set Adam's rates (its config.json's calibration record)."""
+    import json
+
+    fit = ((json.loads((out / "config.json").read_text()).get("mla", {}).get("method") or {}).get("calibration") or {}).get("fit") or {}
+    return "relative" if fit.get("relative_lr") else "constant"
+
+
 def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
     from transmla.cli.app import main as cli_main
 
@@ -138,6 +146,7 @@ def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
         "wall_seconds": round(wall, 1), "stages": stages, "variants": clock.variants,
         "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "load_before": load},
         "fit_bf16": fast_bf16_matmul("cpu"),  # what the CLI's fit ran under
+        "fit_rates": fit_rates(out),
     }
 
 
@@ -185,7 +194,7 @@ def report(rows: dict) -> str:
         st = r["stages"]
         lines.append(f"| {r['command']} | {m.get('cpu', m.get('machine'))} ({'yes' if f['amx'] else 'no'}, "
                      f"{'yes' if f['avx512_bf16'] else 'no'}) | {m['threads']}, {m['load_before']:.1f} | "
-                     f"{'bf16' if r['fit_bf16'] else 'fp32'} | {r['wall_seconds'] / 60:.1f} | "
+                     f"{'bf16' if r['fit_bf16'] else 'fp32'}, {r.get('fit_rates', 'constant')} rates | {r['wall_seconds'] / 60:.1f} | "
                      + " | ".join(f"{st[s]:.0f}" for s in STAGES) + f" | {st['the rest']:.0f} |")
     variant_rows = [(key, v) for key, r in rows.items() for v in r["variants"]]
     if variant_rows:
@@ -227,6 +236,7 @@ def main(argv=None) -> int:
     elif not args.report:
         row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
+        key += "" if row["fit_rates"] == "constant" else f"|{row['fit_rates']} rates"
         if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
             row["variants"] = rows[key]["variants"]
         rows[key] = row

@@ -646,7 +646,18 @@ cli-25+fit-repeat2's, so it is that conversion). Test table (benchmarks/passkey,
 8 / 3 / 1 / 0 of 9 at 1K / 2K / 4K / 8K, 12 of 36, the source's 12 (old fit: 11); wiki-test 32 32.87 (old 33.53). The same schedule without sampling (cli-25+fit-rel200, at the old fit's cost: 3158 s here)
 gives dev32 41.55 (-3.5%) but keys 0.995 / 14: it fails its 25% rule (0.989 or lower with 16 or more exact), so
 the sampled variant stays the default; the two differ by less than the keys' noise, and the relative rates,
-not the sampling, carry the gain in perplexity."""
+not the sampling, carry the gain in perplexity.
+
+Session of 2026-11-28 (50%, issues 34 and 36; AMD EPYC with AVX2, one core, the other busy). The 25% fit's
+relative rates, schedule and query sampling with the 50% far term (rope-64+fit-rel200-q256-far) converts in 2654 s
+against far256-mid-w2's 4952 s (beside another conversion) and gives dev32 27.17 (w2: 27.21), but keys 0.665 / 10
+exact (w2: 0.336 / 23) and dev recall 45% / 1.616 (w2: 52% / 1.213): it fails its rule (keys 0.350 / 21, recall
+1.238 / 50%) on both retrieval measures while perplexity holds, so the 50% fit keeps its constant rate of 1e-3.
+Perplexity alone would have chosen it. At 25% the same fit held keys and recall (1.007 / 15 and 28% / 2.137
+against 1.065 / 16 and 27% / 2.224); at 50% (attention-output error 0.161 -> 0.050, as w2's fit) the relative rates
+(1e-2 of each tensor's RMS) may trade the far-back attention for the near tokens, which most of the loss weighs; a
+guess, not yet separated (the far term's weight under relative rates, or relative rates without query sampling,
+would tell)."""
 
 
 def report(results: dict) -> str:
