@@ -13,8 +13,9 @@ latent 128 or 256: the widths its flash attention has kernels for, `transmla ins
 Phases resume: results merge into benchmarks/results/ik_llama_cpp.json, each row with the machine and
 its load average before and after. Run so far: decode (one thread, 4K and 16K), prompt (one thread), memory, and parallel
 at 4K (one thread, 4 and 8 sequences; `source no-fa` and `conversion gemm`, flash aborts: below), and the source at 32K
-(27 min for two repetitions on one thread: a 32K prompt each); not yet the conversion at 32K (stopped for time:
-`--phase decode --depths 32768 --runs "conversion flash-absorbed"` adds it), two threads, parallel at 16K or the 1.5B.
+(27 min for two repetitions on one thread: a 32K prompt each); the conversion at 32K (2026-11-28, AMD EPYC, one
+repetition, `--phase decode --depths 32768 --reps 1 --runs "conversion flash-absorbed"`: 4.7 tokens/s against the
+source's 3.9, 1.19x, bytes ideal 1.62x); not yet two threads, parallel at 16K or the 1.5B.
 Mainline llama.cpp at these shapes (`--engine mainline --phase decode --threads 1 --depths 4096,16384 --reps 2`,
 2026-11-27, AMD EPYC with AVX2 only, the other core converting): the 50% conversion (128 + 64) decodes at 1.08x
 the source at 4K and 1.53x at 16K (bytes ideal 1.16x / 1.50x), where the 25% conversion's 64 + 32 ran at
