@@ -120,7 +120,8 @@ def fit_rates(out: Path) -> str:
     """How the written conversion's fit set Adam's rates (its config.json's calibration record)."""
     import json
 
-    fit = ((json.loads((out / "config.json").read_text()).get("mla", {}).get("method") or {}).get("calibration") or {}).get("fit") or {}
+    method = json.loads((out / "config.json").read_text()).get("mla", {}).get("method") or {}
+    fit = (method.get("calibration") or {}).get("fit") or {}
     return "relative" if fit.get("relative_lr") else "constant"
 
 

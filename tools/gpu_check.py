@@ -257,8 +257,9 @@ def stage_decode_bench(ctx: Ctx) -> dict:
 
 
 TUNE_CONFIGS = 30  # per shape: the search compiles each (a second or two apiece)
-# the best tile of the Llama-3-8B-like heads at batch 32 / 16K on the H200 (2026-11-27: 73.8% of copy
-# where the default moved 40%), tried first on every shape so its split counts are always timed
+# tried first on every shape, so they are timed whatever the cap: the best tile of the Llama-3-8B-like heads
+# at batch 32 / 16K on the H200 (2026-11-27: 73.8% of copy; the 16-bit d_c >= 512 default since), and its
+# 16-row form for shapes with few heads
 TUNE_FIRST_TILES = (dict(block_h=32, block_n=64, num_warps=4, num_stages=3),
                     dict(block_h=16, block_n=64, num_warps=4, num_stages=3))
 TUNE_KEYS = ("config", "ms", "bandwidth_fraction", "is_default", "timing")  # kept per timed config: the data for default_config

@@ -277,7 +277,7 @@ def default_config(
     wide16 = block_dc >= 512 and elem == 2
     cap = 32 if (block_dc >= 512 or elem == 4) else 64
     block_h = min(cap, max(16, _next_pow2(rows)))
-    block_n = 32 if (block_dc >= 512 or elem == 4) and not wide16 else 64
+    block_n = 32 if elem == 4 else 64  # 16-bit: 64 rows, at d_c >= 512 too (wide16)
     num_warps = 4 if wide16 else max(4, min(8, block_h * block_dc // 2048))
     if device.type == "cuda" and not INTERPRET:
         sms, smem_optin = _device_limits(
