@@ -287,6 +287,43 @@ def test_the_fit_reads_the_source_attention_io_of_its_layer(tiny_factory, family
         torch.testing.assert_close(attended, want_z, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_corrected_propagation_fits_the_converted_input_to_the_source_output(tiny_factory, family):
+    """propagate="corrected": the fit of layer i reads x from the model whose earlier layers are the ones
+    the fit returned (here layer 0's o_proj moved by a random delta) and z from the source model, exactly;
+    the statistics stay the source model's (the same as with original propagation)."""
+    from dataclasses import replace as replace_layer
+
+    from transmla.convert.calibrate import calibrated_layers
+
+    source, path = tiny_factory(family)
+    config = AutoConfig.from_pretrained(path)
+    fit_ids, calib = _ids(6, 3, 16), _ids(1, 4, 16)
+    delta = 0.5 * torch.randn(source.model.layers[0].self_attn.o_proj.weight.shape, generator=torch.Generator().manual_seed(3))
+    got, stats = {}, {"original": [], "corrected": []}
+
+    def record(i, layer, x, z, attend):
+        got[i] = (x, z)
+        return replace_layer(layer, o_proj=layer.o_proj + delta) if i == 0 else layer
+
+    def exact(mode):  # the lossless layer, as LayerStream makes it (the key norm of a QK-norm source attached)
+        return lambda i, src, st: stats[mode].append(st.gram) or attach_pre_maps(replicate(linear_source(src)), src)
+
+    for mode in ("original", "corrected"):
+        for _ in calibrated_layers(path, config, calib, exact(mode), fit_ids=fit_ids, fit_layer=record, propagate=mode,
+                                   progress=False):
+            pass
+    for a, b in zip(stats["original"], stats["corrected"]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    moved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        moved.model.layers[0].self_attn.o_proj.weight.add_(delta)
+    for i, (x, z) in got.items():  # the corrected run's, recorded last
+        torch.testing.assert_close(x, _source_io(moved, i, fit_ids)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(z, _source_io(source, i, fit_ids)[1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[1][0], _source_io(source, 1, fit_ids)[0], atol=1e-3)  # the input did change
+
+
 def test_fit_sequences_repeat_two_spans():
     """The CLI's fit sequences: calibration_ids' sequences with REPEATED_SPANS spans of each repeated later
     (two: chosen on dev keys at 25% and at 50%), on the built-in model."""

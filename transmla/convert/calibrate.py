@@ -132,7 +132,10 @@ def calibrated_layers(
     """Calibrate and convert layer by layer; yields each converted layer in order.
 
     calib_ids [N, T]. propagate: the hidden states fed to layer i+1 come from the original
-    layer i ("original") or from its converted MLA form ("converted").
+    layer i ("original") or from its converted MLA form ("converted"); "corrected" keeps the statistics
+    on the original model and gives the fit two copies of its sequences: the converted model's hidden
+    states as the input x and the original model's attention output as the target z, so that each
+    layer's fit also undoes what the layers converted before it changed in its input.
     fit_ids [N', T'] and fit_layer: after converting layer i, fit_layer(i, layer, x, z, attend) returns the
     layer to keep, x [N', T', D] being the attention input of the fit sequences (propagated like the
     calibration tokens), z the source attention's output on x and attend(x, mask) the source attention
@@ -151,7 +154,8 @@ def calibrated_layers(
         embed = reader.get(family.embed_name).float().to(device)  # [V, D], read once for every stream
         embed_scale = torch.tensor(family.embedding_scale(config), dtype=embed.dtype)  # as the source casts it
         streams = []  # (hidden [N, T, D], position_ids): the calibration sequences, then the fit's
-        for token_ids in [calib_ids] + ([fit_ids] if fit_layer is not None else []):
+        fit_streams = (2 if propagate == "corrected" else 1) if fit_layer is not None else 0
+        for token_ids in [calib_ids] + [fit_ids] * fit_streams:  # calibration, fit (original), fit (converted)
             token_ids = token_ids.to(device)
             position_ids = torch.arange(token_ids.shape[1], device=device)[None]
             streams.append((F.embedding(token_ids, embed) * embed_scale.to(device), position_ids))
@@ -174,9 +178,17 @@ def calibrated_layers(
                 layer.self_attn = mla_attention(config, converted, device, i)
             seen: list[tuple[torch.Tensor, torch.Tensor]] = []
             for k, ((h_all, h_pos), (cos_sin, mask)) in enumerate(zip(streams, views)):
+                if k == 2:  # corrected: the fit's converted stream, through the fitted layer (the original's are past)
+                    x = torch.cat([layer.input_layernorm(h_all[s : s + batch_size]) for s in range(0, h_all.shape[0], batch_size)])
+                    z = torch.cat([b for _, b in seen])  # [N', T', D] the original model's attention output
+                    seen.clear()
+                    with torch.inference_mode(False):
+                        converted = fit_layer(i, converted, x.clone(), z.clone(), _masked_attention(layer, cos_sin, h_pos))
+                    del x, z
+                    layer.self_attn = mla_attention(config, converted, device, i)
                 # with original propagation the fit's x and z are what the source layer's attention reads and
-                # writes while the fit stream passes: kept, not computed again
-                keep = fit_layer is not None and propagate == "original" and k == 1
+                # writes while the fit stream passes: kept, not computed again (corrected: z only)
+                keep = fit_layer is not None and propagate in ("original", "corrected") and k == 1
                 hook = layer.self_attn.register_forward_hook(
                     lambda m, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True
                 ) if keep else None

@@ -20,7 +20,7 @@ from ..schema import option
 from .budget import check_kv_budget
 
 
-PROPAGATIONS = ("original", "converted")
+PROPAGATIONS = ("original", "converted", "corrected")
 # Three parts wiki, one part lee's news, two parts Python source: chosen in benchmarks/calib_mix.py
 # (issue 18) by rules written before measuring. wiki=3,code=1 replaced wiki alone (held-out licence texts
 # -24%, held-out code -81%, dev32 +5%); this mix replaced wiki=3,code=1 (SmolLM2 at 25%, the fit in bf16:
@@ -44,7 +44,8 @@ class CalibrationOptions:
     seed: int = option(0, "Seed for picking calibration sequences.")
     propagate: str | None = option(
         None, "Calibrate later layers on 'original' or 'converted' earlier layers (default: original: measured "
-        "better for transmla, and as published for mha2mla)."
+        "better for transmla, and as published for mha2mla); 'corrected': statistics on the original layers, the "
+        "output fit from the converted layers' hidden states toward the original model's attention output."
     )
     device: str = option("auto", "auto | cpu | cuda, for the conversion math.")
     fit_steps: int | None = option(
