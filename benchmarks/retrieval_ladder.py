@@ -657,7 +657,13 @@ Perplexity alone would have chosen it. At 25% the same fit held keys and recall 
 against 1.065 / 16 and 27% / 2.224); at 50% (attention-output error 0.161 -> 0.050, as w2's fit) the relative rates
 (1e-2 of each tensor's RMS) may trade the far-back attention for the near tokens, which most of the loss weighs; a
 guess, not yet separated (the far term's weight under relative rates, or relative rates without query sampling,
-would tell)."""
+would tell).
+
+Session of 2026-11-28 morning (50%, recall; AMD EPYC with AVX2, one core, the other converting). Four times the far
+weight (rope-64+fit-repeat2-far256-mid-w4, its rule written before it ran: recall nll 1.188 or lower with 52% or
+more, keys 0.350 / 21, dev32 27.48) gives keys 0.326 / 24 and dev32 27.24, but dev recall 50% / 1.344 against w2's
+52% / 1.213: rejected. The weight's curve (1: 1.247, 2: 1.213, 4: 1.344) peaks near 2, so the CLI keeps weight 2;
+the far term alone has closed about half of the recall gap and will not close the rest. 5532 s."""
 
 
 def report(results: dict) -> str:
