@@ -135,7 +135,8 @@ def calibrated_layers(
     layer i ("original") or from its converted MLA form ("converted"); "corrected" keeps the statistics
     on the original model and gives the fit two copies of its sequences: the converted model's hidden
     states as the input x and the original model's attention output as the target z, so that each
-    layer's fit also undoes what the layers converted before it changed in its input.
+    layer's fit also undoes what the layers converted before it changed in its input (attend, the far
+    term's source attention, then reads the converted input).
     fit_ids [N', T'] and fit_layer: after converting layer i, fit_layer(i, layer, x, z, attend) returns the
     layer to keep, x [N', T', D] being the attention input of the fit sequences (propagated like the
     calibration tokens), z the source attention's output on x and attend(x, mask) the source attention
