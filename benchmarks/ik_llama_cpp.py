@@ -23,7 +23,9 @@ the source at 4K and 1.53x at 16K (bytes ideal 1.16x / 1.50x), where the 25% con
 Two threads (same day, `--threads 2 --runs "source,conversion flash-mla"`): the source only (the conversion's
 flash-mla run, whose 16K prompts are slow, was stopped for time); on this 2-vCPU EPYC two threads decoded slower
 than one at 4K (12.7 / 15.2 tokens/s in two repetitions against 23.9 on one thread) and spread widely at 16K
-(7.7 / 10.4), so those rows are not yet a usable comparison.
+(7.7 / 10.4), so those rows are not yet a usable comparison. On the idle EPYC (2026-11-28, load 0.5 before, `--phase
+decode --threads 2 --depths 4096 --reps 2 --runs "source,conversion flash-absorbed"`) two threads give the source
+35.3 tokens/s at 4K and the conversion 39.8 (1.13x; bytes ideal 1.05x): the earlier two-thread rows were the load.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
