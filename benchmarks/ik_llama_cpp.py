@@ -25,7 +25,8 @@ flash-mla run, whose 16K prompts are slow, was stopped for time); on this 2-vCPU
 than one at 4K (12.7 / 15.2 tokens/s in two repetitions against 23.9 on one thread) and spread widely at 16K
 (7.7 / 10.4), so those rows are not yet a usable comparison. On the idle EPYC (2026-11-28, load 0.5 before, `--phase
 decode --threads 2 --depths 4096 --reps 2 --runs "source,conversion flash-absorbed"`) two threads give the source
-35.3 tokens/s at 4K and the conversion 39.8 (1.13x; bytes ideal 1.05x): the earlier two-thread rows were the load.
+35.3 tokens/s at 4K and the conversion 39.8 (1.13x; bytes ideal 1.05x); at 16K (`--depths 16384`, the source's
+16K row measured again) 8.6 against 14.2 (1.66x; ideal 1.42x): the earlier two-thread rows were the load.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
