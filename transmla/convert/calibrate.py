@@ -191,7 +191,8 @@ def calibrated_layers(
                 # writes while the fit stream passes: kept, not computed again (corrected: z only)
                 keep = fit_layer is not None and propagate in ("original", "corrected") and k == 1
                 hook = layer.self_attn.register_forward_hook(
-                    lambda m, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True
+                    lambda m, args, kwargs, out: seen.append((kwargs["hidden_states"] if propagate == "original" else None, out[0])),
+                    with_kwargs=True
                 ) if keep else None
                 for start in range(0, h_all.shape[0], batch_size):
                     h = h_all[start : start + batch_size]
