@@ -366,9 +366,10 @@ def test_far_targets_of_an_exact_layer_equal_its_far_outputs(tiny_factory, famil
     def record(i, layer, x, z, attend):
         attn = mla_attention(config, layer, "cpu", i)
         at = torch.arange(far + 1, x.shape[1])
-        seen = output_fit.far_mask(x.shape[1], far, attn.config.window(i))[far + 1 :]
+        window = attn.config.window(attn.layer_idx)  # the one layer's (source layer i's)
+        seen = output_fit.far_mask(x.shape[1], far, window)[far + 1 :]
         with torch.no_grad():
-            pairs[i] = (output_fit.far_targets(attend, x, far, attn.config.window(i), 2), attn.outputs_at(x, at, seen))
+            pairs[i] = (output_fit.far_targets(attend, x, far, window, 2), attn.outputs_at(x, at, seen))
         return layer
 
     for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
@@ -378,6 +379,38 @@ def test_far_targets_of_an_exact_layer_equal_its_far_outputs(tiny_factory, famil
     for i, (target, out) in pairs.items():
         assert target.shape == out.shape == (3, 24 - far - 1, config.hidden_size)
         torch.testing.assert_close(out, target, atol=1e-5 * float(target.abs().max()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+def test_far_fit_runs_on_a_sliding_layer_past_the_first(tiny_factory, family):
+    """The far term on a later layer with a sliding window (Gemma 3 270M's layers 15-17 at the CLI's 50%): the
+    far target is read under that layer's window (the standalone fit attention holds it as its layer 0; reading
+    window(index) there failed with an IndexError past the first layer), equal to the exact layer's own far
+    outputs under the window, and the fit runs."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    window, far = 12, 5
+    _, path = tiny_factory(family, sliding_window=window,
+                           **({"layer_types": ["sliding_attention"] * 2} if family == "gemma3_text" else {}))
+    config = AutoConfig.from_pretrained(path)
+    seen_windows = {}
+
+    def record(i, layer, x, z, attend):
+        attn = mla_attention(config, layer, "cpu", i)
+        seen_windows[i] = attn.config.window(attn.layer_idx)
+        at = torch.arange(far + 1, x.shape[1])
+        with torch.no_grad():
+            target = output_fit.far_targets(attend, x, far, seen_windows[i], 2)
+            out = attn.outputs_at(x, at, output_fit.far_mask(x.shape[1], far, seen_windows[i])[far + 1 :])
+        torch.testing.assert_close(out, target, atol=1e-5 * float(target.abs().max()), rtol=1e-5)
+        fitted, info = fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, far=far, far_layers=(1,)), i, attend)
+        assert info["output_error"][1] <= info["output_error"][0] + 1e-6
+        return fitted
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
+                               fit_ids=_ids(4, 3, 24), fit_layer=record, progress=False):
+        pass
+    assert seen_windows == {0: window, 1: window}
 
 
 def test_far_fit_lowers_the_far_error(tiny_factory):

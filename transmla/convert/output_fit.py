@@ -358,7 +358,8 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
                 raise ValueError("FitSettings.far needs the source attention (fit_layer's source_attention)")
             if settings.far + 1 >= T:
                 raise ValueError(f"FitSettings.far ({settings.far}) must be below the fit sequences' length - 1 ({T - 1})")
-            z_far = far_targets(source_attention, x, settings.far, attn.config.window(index), batch)
+            # attn holds this one layer as its layer 0 (calibrate.mla_attention): its window is window(0)
+            z_far = far_targets(source_attention, x, settings.far, attn.config.window(attn.layer_idx), batch)
         info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far)
         after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at)
     if after < best_error - ERROR_NOISE:
