@@ -61,6 +61,7 @@ CASES = {
     "llama-mqa-lossless": ("llama", {"num_key_value_heads": 1}, dict(method="lossless"), {}),
     "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform"), {}),
     "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines="vllm,sglang,transformers", pad_latent=True)),
+    "qwen2-bias-transmla-50-padded-value": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), dict(pad_value=True)),
     "qwen2-bias-dropped": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), dict(engines="sglang", drop_biases=True)),
     # Mixtral's router exists in vLLM's DeepSeek MoE only: checked with that router (see STOCK). Its
     # default rms_norm_eps (1e-5) becomes DeepSeek's 1e-6 (measured in the benchmark), so 1e-6 here.
@@ -138,6 +139,17 @@ def test_padded_latent_is_a_width_vllm_accepts(exported):
     r = results["llama-transmla-25-padded"]
     assert r.kv_elements_per_token_per_layer == 320 and r.record["padded_latent"]
     assert r.engines == {"transformers": None, "vllm": None, "sglang": None}
+
+
+def test_padded_value_has_the_key_width_and_the_same_cache(exported):
+    """--pad-value (its logits: test_stock_transformers_equals_native, with attention biases carried)."""
+    natives, exports, results, _ = exported
+    case = "qwen2-bias-transmla-50-padded-value"
+    config = json.loads((exports[case] / "config.json").read_text())
+    native = json.loads((natives[case] / "config.json").read_text())["mla"]
+    assert config["v_head_dim"] == config["qk_nope_head_dim"] + config["qk_rope_head_dim"] > native["v_head_dim"]
+    assert results[case].record["padded_value"] and not results[case].record["padded_latent"]
+    assert results[case].kv_elements_per_token_per_layer == native["kv_lora_rank"] + native["qk_rope_head_dim"]
 
 
 def test_yarn_rope_is_carried_for_every_engine(exported):

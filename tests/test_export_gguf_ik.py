@@ -100,6 +100,28 @@ def test_ik_llama_cpp_runs_our_conversions_exactly(exported, case, mode):
     assert kv.kv_t_mib == pytest.approx(0 if flash else mib * mla["kv_lora_rank"] * 2, abs=0.0051)
 
 
+@pytest.mark.parametrize("mode", ["flash-mla", "gemm"])
+def test_ik_value_padding_keeps_the_logits(tmp_path, mode):
+    """--pad-value: each head's value zero-padded to the key's width (64 -> 128 here, so -mla 3's prompt
+    attention runs at 128/128, a pair ik has a kernel for): the same logits in prefill of 128+ tokens
+    (the decompressing prompt path) and in decode, the same cache, the header's value width the key's."""
+    family, overrides, options = CASES["r64-c128"]
+    native = converted(tmp_path, family, overrides, dict(method="transmla", shared_rope=True, fit_steps=0, **options))
+    result = export_gguf(native, tmp_path / "ik.gguf", progress=False, engine=IK_GGUF, pad_value=True)
+    fields = gguf.GGUFReader(result.path).fields
+    value = lambda key: int(fields[key].parts[-1][0])  # noqa: E731
+    assert value("deepseek2.attention.key_length") == value("deepseek2.attention.value_length") == 128
+    assert result.cache_elements == 128 + 64
+    model = transformers.AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).eval()
+    mla_mode, flash, cache = MODES[mode]
+    with torch.no_grad():
+        for ids, run in ((LONG, "prefill"), (TOKENS, "decode")):
+            ref = model(torch.tensor([ids])).logits[0]
+            logits, _ = llama_logits(result.path, ids, run, n_ctx=512, build=IK, mla=mla_mode, flash_attn=flash,
+                                     cache_type=cache)
+            assert relative_error(logits, ref) <= (TOL_FLASH_PROMPT if run == "prefill" and flash else TOL), run
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"rope_interleave": False}, {"q_lora_rank": 24}, {"num_hidden_layers": 26, "first_k_dense_replace": 26}],

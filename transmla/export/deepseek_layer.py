@@ -1,6 +1,6 @@
 """The math of one layer's DeepSeek export (pure: tensors in, tensors out): the rope rows
 interleaved, the softmax-scale ratio folded into the queries, the latent-norm trick (rule 1 of
-export/deepseek.py), the latent padded, and the biases moved where DeepSeek has them."""
+export/deepseek.py), the latent and the values padded, and the biases moved where DeepSeek has them."""
 
 from __future__ import annotations
 
@@ -84,12 +84,16 @@ def export_layer(t: dict[str, torch.Tensor], input_norm: torch.Tensor, plan: Exp
     out["kv_a_proj_with_mqa.weight"] = torch.cat((w_lat * s, zeros(pad, D), w_rope))  # [d_c_out + d_r, D]
     out["kv_a_layernorm.weight"] = torch.cat((norm, torch.ones(pad, dtype=torch.float64)))  # padded dims stay 0
     w_b = f64("kv_b_proj.weight")  # [H*(d_nope+d_v), d_c]
-    out["kv_b_proj.weight"] = torch.cat((w_b, zeros(w_b.shape[0], pad)), dim=1)  # [H*(d_nope+d_v), d_c_out]
+    w_b = torch.cat((w_b, zeros(w_b.shape[0], pad)), dim=1).view(H, d_nope + d_v, plan.d_c_out)
+    # --pad-value: each head's value gains zero rows, which o_proj's zero columns read: softmax-weighted
+    # sums of zeros stay zero, so the output is exactly the native one.
+    v_pad = plan.d_v_out - d_v
+    out["kv_b_proj.weight"] = torch.cat((w_b, zeros(H, v_pad, plan.d_c_out)), dim=1).reshape(-1, plan.d_c_out)  # [H*(d_nope+d_v_out), d_c_out]
 
     # Output: kv_b's value bias passes through the attention (weights sum to one) into o_proj's bias;
     # its key bias shifts all scores of a query equally and softmax drops it.
     w_o = f64("o_proj.weight")  # [D, H*d_v]
-    out["o_proj.weight"] = w_o
+    out["o_proj.weight"] = torch.cat((w_o.view(D, H, d_v), zeros(D, H, v_pad)), dim=2).reshape(D, -1)  # [D, H*d_v_out]
     if keep_bias and plan.config["attention_bias"]:
         b_o = f64("o_proj.bias") if t.get("o_proj.bias") is not None else zeros(D)
         b_kvb = f64("kv_b_proj.bias")

@@ -39,6 +39,7 @@ class ExportPlan:
     d_nope: int
     d_r: int
     d_v: int
+    d_v_out: int  # after --pad-value
     d_c: int
     d_c_out: int  # after --pad-latent
     hidden_size: int
@@ -108,6 +109,7 @@ def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[s
     d_c_out = d_c
     if options.pad_latent:
         d_c_out = padded_latent_size(d_c, d_r)
+    d_v_out = d_nope + d_r if options.pad_value else d_v
     q_lora = mla.q_lora_rank
     q_bias_lora = keep_bias and has_bias["q"]
     qk = d_nope + d_r
@@ -139,7 +141,7 @@ def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[s
         "q_lora_rank": (D + 1) if q_bias_lora else q_lora,
         "qk_rope_head_dim": d_r,
         "qk_nope_head_dim": d_nope,
-        "v_head_dim": d_v,
+        "v_head_dim": d_v_out,
         "hidden_act": cfg.get("hidden_act", "silu"),
         "max_position_embeddings": max_positions,
         "rms_norm_eps": LATENT_NORM_EPS,
@@ -163,6 +165,7 @@ def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[s
         "rms_norm_eps_changed": not math.isclose(source_eps, LATENT_NORM_EPS),
         "kv_lora_rank_native": d_c,
         "padded_latent": d_c_out != d_c,
+        "padded_value": d_v_out != d_v,
         "kv_elements_per_token_per_layer": d_c_out + d_r,
         "native_kv_elements_per_token_per_layer": d_c + d_r,
         "dropped_biases": any_bias and options.drop_biases,
@@ -170,7 +173,7 @@ def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[s
         "moe": family.moe is not None,
     }
     return ExportPlan(
-        config=config, num_layers=L, num_heads=H, d_nope=d_nope, d_r=d_r, d_v=d_v, d_c=d_c, d_c_out=d_c_out,
+        config=config, num_layers=L, num_heads=H, d_nope=d_nope, d_r=d_r, d_v=d_v, d_v_out=d_v_out, d_c=d_c, d_c_out=d_c_out,
         hidden_size=D, q_scale=q_scale, pair_order=order, q_bias_lora=q_bias_lora, drop_biases=not keep_bias,
         native_norm=bool(mla.kv_a_norm), family_layer_root=family.layer_root,
         input_norm=family.input_norm, record=record,

@@ -384,6 +384,7 @@ def export_gguf(
     weight_type: str = "f32",
     tokenizer_pre: str | None = None,
     drop_biases: bool = False,
+    pad_value: bool = False,
     force: bool = False,
     progress: bool = True,
     engine: GGUFEngine = MAINLINE,
@@ -399,7 +400,7 @@ def export_gguf(
     model_dir, output = Path(model_dir), Path(output)
     if output.exists() and not force:
         raise ExportError(f"{output} exists (pass --force to replace it)")
-    native, plan = prepare_export(model_dir, ExportOptions(drop_biases=drop_biases), engines=())
+    native, plan = prepare_export(model_dir, ExportOptions(drop_biases=drop_biases, pad_value=pad_value), engines=())
     config = DeepseekV3Config(**plan.config).to_dict()
     # The DeepSeek folder writes a tied lm_head out (not every engine ties); llama.cpp ties by
     # leaving `output` out, as the source's own GGUF does.

@@ -23,6 +23,11 @@ class ExportOptions:
         False, "DeepSeek export: zero-pad the latent so kv_lora_rank + qk_rope_head_dim is a width vLLM accepts "
         "(320 or 576): exact, but the cache grows to that width.",
     )
+    pad_value: bool = option(
+        False, "DeepSeek and GGUF export: zero-pad each head's value to its key's width (v_head_dim = "
+        "qk_nope_head_dim + qk_rope_head_dim), a pair engines' prompt attention kernels take (ik_llama.cpp's flash "
+        "attention, vLLM's prefill): exact, the cache unchanged, kv_b and o_proj wider.",
+    )
     drop_biases: bool = option(
         False, "Drop attention biases for engines without them (vLLM, SGLang, llama.cpp): lossy, measure it.",
     )

@@ -37,6 +37,7 @@ def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[
         "format": result.format,
         "kv_elements_per_token_per_layer": result.kv_elements_per_token_per_layer,
         "padded_latent": record["padded_latent"],
+        "padded_value": record["padded_value"],
         "dropped_biases": record["dropped_biases"],
         "rms_norm_eps": f"{record['source_rms_norm_eps']} -> 1e-06" if record["rms_norm_eps_changed"] else "1e-06",
         **{f"loads in {e}": "yes" if why is None else f"no: {why}" for e, why in result.engines.items()},
@@ -46,17 +47,19 @@ def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[
 
 def _gguf_writer(engine_name: str, format_name: str) -> Callable[[str, Path, dict[str, Any]], dict[str, Any]]:
     """A GGUF target for one llama.cpp (export/gguf.py's MAINLINE or IK conventions). Of the export
-    settings only drop_biases and force apply to a GGUF file."""
+    settings only drop_biases, pad_value and force apply to a GGUF file."""
 
     def write(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
         from .gguf import ENGINES, export_gguf
 
         drop_biases = settings["drop_biases"]
         gguf = export_gguf(resolve_model_dir(model), output, settings["weight_type"], settings["tokenizer_pre"],
-                           drop_biases=drop_biases, force=settings["force"], engine=ENGINES[engine_name])
+                           drop_biases=drop_biases, pad_value=settings["pad_value"], force=settings["force"],
+                           engine=ENGINES[engine_name])
         return {"output": str(gguf.path), "format": format_name, "type": gguf.weight_type,
                 "tokenizer_pre": gguf.tokenizer_pre, "kv_elements_per_token_per_layer": gguf.cache_elements,
-                "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases}
+                "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases,
+                "padded_value": settings["pad_value"]}
 
     return write
 
