@@ -28,6 +28,19 @@ decode --threads 2 --depths 4096 --reps 2 --runs "source,conversion flash-absorb
 35.3 tokens/s at 4K and the conversion 39.8 (1.13x; bytes ideal 1.05x); at 16K (`--depths 16384`, the source's
 16K row measured again) 8.6 against 14.2 (1.66x; ideal 1.42x): the earlier two-thread rows were the load.
 
+--pad-value (session of 2026-11-28, written before measuring): the export option that zero-pads each head's value to
+the key's width, so that -mla 3's prompts (decompressed heads, 128/64 for the built-in model at 50%: no ik kernel)
+run at 128/128 (a kernel pair). Run "conversion flash-mla padded-value" (`--phase prompt` and `--phase decode
+--depths 4096,16384`, one thread). README recommends it for prompt-heavy serving in ik if its pp4096 is at least
+0.83x the source's (the issue's "within 1.2x") and its decode at 16K is within 5% of the unpadded flash-mla's (the
+wider o_proj is read every step); otherwise it stays an option with its numbers.
+Measured (AMD EPYC, one thread, the other core busy, load about 2): pp4096 86.8 tokens/s against 62.6 unpadded
+(+39%; the source 289.4 with flash attention: 0.30x), pp512 225.0 against 276.1 (-18%): it fails the rule (0.83x),
+so it stays an option; the decode rows were stopped for time (the rule had already failed). What bounds prompts is
+not the kernel pair: the absorbed prompt (-mla 1 -fa 1, 192/128, a kernel pair) reaches only 0.51-0.53x and the
+GEMM mode 0.62-0.73x, so the conversion's prompt costs more arithmetic than the source's GQA heads (each of the 9
+heads scores 128 or 192 dimensions where the source's 3 KV heads of 64 are shared by 3 queries each).
+
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
 OUT --method transmla -R d_c -r 64 --shared-rope --calib-samples 256 --fit-steps 0` (speed does not depend on the
@@ -116,7 +129,7 @@ def record(update: dict) -> None:
 def paths(work: Path, name: str) -> dict[str, Path]:
     source = MODELS[name][0]
     return {"source": work / f"{source}-q8_0.gguf", "native": work / name, "ik": work / f"{name}-ik-q8_0.gguf",
-            "mainline": work / f"{name}-q8_0.gguf"}
+            "ik-padv": work / f"{name}-ik-padv-q8_0.gguf", "mainline": work / f"{name}-q8_0.gguf"}
 
 
 def phase_export(work: Path, names: list[str]) -> None:
@@ -138,9 +151,9 @@ def phase_export(work: Path, names: list[str]) -> None:
             log(f"converting {name}")
             subprocess.run([TRANSMLA, "convert", source, p["native"], "--method", "transmla", "-R", str(d_c), "-r", str(d_r),
                             "--shared-rope", "--calib-samples", "256", "--fit-steps", "0", "--force"], check=True)
-        for fmt, key in (("gguf-ik", "ik"), ("gguf", "mainline")):
+        for fmt, key, extra in (("gguf-ik", "ik", []), ("gguf-ik", "ik-padv", ["--pad-value"]), ("gguf", "mainline", [])):
             if not p[key].exists():
-                subprocess.run([TRANSMLA, "export", p["native"], p[key], "--format", fmt, "--type", "q8_0"], check=True)
+                subprocess.run([TRANSMLA, "export", p["native"], p[key], "--format", fmt, "--type", "q8_0", *extra], check=True)
 
 
 def gguf_facts(path: Path) -> dict:
@@ -172,7 +185,9 @@ def runs(p: dict[str, Path], engine: str) -> list[tuple[str, Path, int, bool]]:
     if engine == "mainline":  # `source` and `conversion` rows, as the ratios pair them
         return [("source", p["source"], 0, True), ("conversion", p["mainline"], 0, True)]
     return ([("source", p["source"], 0, True), ("source no-fa", p["source"], 0, False)]
-            + [(f"conversion {m}", p["ik"], *MODES[m]) for m in MODES])
+            + [(f"conversion {m}", p["ik"], *MODES[m]) for m in MODES]
+            # --pad-value (values zero-padded to the key's width): only -mla 3's prompts read the padded heads
+            + [("conversion flash-mla padded-value", p["ik-padv"], *MODES["flash-mla"])])
 
 
 def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], cache_types: list[str], engine: str,
