@@ -35,6 +35,8 @@ Writes benchmarks/results/care_peer_smollm2.json and .md, with the CPU and the l
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -188,7 +190,7 @@ def run(name: str, care: Path | None, samples: int, cache: ResultCache) -> None:
                 "care": {"commit": CARE_COMMIT, "kv_lora_rank": rank, "qk_mqa_dim": mqa, "freqfold": FREQFOLD,
                          "damping": DAMPING, "samples": samples, "seq": CAL_SEQ, "method": "care", "dtype": "fp32"}}
     row |= measure(model, tok)
-    row["load_after"] = round(__import__("os").getloadavg()[0], 2)
+    row["load_after"] = round(os.getloadavg()[0], 2)
     row["date"] = time.strftime("%Y-%m-%d %H:%M")
     cache.results[name] = row
     cache.save()
@@ -197,8 +199,6 @@ def run(name: str, care: Path | None, samples: int, cache: ResultCache) -> None:
 
 def cli_shape(folder: str) -> str:
     """'latent + rope (CLI)' of a CLI conversion's folder."""
-    import json
-
     mla = json.loads((ROOT / folder / "config.json").read_text())["mla"]
     return f"{mla['kv_lora_rank']} + {mla['qk_rope_head_dim']} (CLI)"
 
@@ -221,12 +221,11 @@ def report(results: dict) -> str:
         if r is None:
             continue
         ppl = r["perplexity"]
-        shape = cli_shape(r["folder"]) if r["shape"] == "CLI" else r["shape"]  # rows measured before cli_shape
         cells = [f"{ppl[t]:.2f}" + (f" ({ppl[t] / src['perplexity'][t]:.2f}x)" if src and name != "source" else "")
                  for t in TEXTS]
         keys, rec = r["keys"], r["recall"]
         env = r["machine"]
-        lines.append(f"| {name} | {r['fraction']:.0%} | {shape} | {' | '.join(cells)} | {keys['nll']:.3f} / "
+        lines.append(f"| {name} | {r['fraction']:.0%} | {r['shape']} | {' | '.join(cells)} | {keys['nll']:.3f} / "
                      f"{keys['exact']} | {rec['acc']:.0%} / {rec['nll']:.3f} | {r.get('convert_seconds', '-')} | "
                      f"{env['machine']}, {env['threads']} thread(s), load {env['load_average']}-{r['load_after']} |")
     return "\n".join(lines) + "\n"
