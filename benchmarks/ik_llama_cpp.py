@@ -34,10 +34,12 @@ run at 128/128 (a kernel pair). Run "conversion flash-mla padded-value" (`--phas
 --depths 4096,16384`, one thread). README recommends it for prompt-heavy serving in ik if its pp4096 is at least
 0.83x the source's (the issue's "within 1.2x") and its decode at 16K is within 5% of the unpadded flash-mla's (the
 wider o_proj is read every step); otherwise it stays an option with its numbers.
-Measured (AMD EPYC, one thread, the other core busy, load about 2): pp4096 86.8 tokens/s against 62.6 unpadded
-(+39%; the source 289.4 with flash attention: 0.30x), pp512 225.0 against 276.1 (-18%): it fails the rule (0.83x),
-so it stays an option; the decode rows were stopped for time (the rule had already failed). What bounds prompts is
-not the kernel pair: the absorbed prompt (-mla 1 -fa 1, 192/128, a kernel pair) reaches only 0.51-0.53x and the
+Measured (AMD EPYC, one thread, the other core busy, load about 2): pp4096 86.8 tokens/s, pp512 225.0. The
+source's and the unpadded rows (289.4 / 635.8 and 62.6 / 276.1) were measured on the Xeon, so the table's ratio for
+this row (0.30x / 0.35x) crosses machines and decides nothing: the rule is undecided until the source and the
+unpadded flash-mla run on the same CPU (`--phase prompt --runs "source,conversion flash-mla"`). Decode rows were
+stopped for time. Unless the EPYC is 2.8x faster than the Xeon at these prompts, it stays far from 0.83x: what bounds
+prompts is not only the kernel pair: the absorbed prompt (-mla 1 -fa 1, 192/128, a kernel pair) reaches only 0.51-0.53x and the
 GEMM mode 0.62-0.73x, so the conversion's prompt costs more arithmetic than the source's GQA heads (each of the 9
 heads scores 128 or 192 dimensions where the source's 3 KV heads of 64 are shared by 3 queries each).
 
