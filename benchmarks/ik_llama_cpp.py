@@ -14,8 +14,9 @@ Phases resume: results merge into benchmarks/results/ik_llama_cpp.json, each row
 its load average before and after. Run so far: decode (one thread, 4K and 16K), prompt (one thread), memory, and parallel
 at 4K (one thread, 4 and 8 sequences; `source no-fa` and `conversion gemm`, flash aborts: below), and the source at 32K
 (27 min for two repetitions on one thread: a 32K prompt each); the conversion at 32K (2026-11-28, AMD EPYC, one
-repetition, `--phase decode --depths 32768 --reps 1 --runs "conversion flash-absorbed"`: 4.7 tokens/s against the
-source's 3.9, 1.19x, bytes ideal 1.62x); not yet two threads, parallel at 16K or the 1.5B.
+repetition, `--phase decode --depths 32768 --reps 1 --runs "conversion flash-absorbed"`: 4.7 tokens/s; the source's
+3.9 at 32K was measured on the Xeon, so no ratio: the report gives one only between rows of one CPU, and the
+earlier "1.19x" crossed machines; bytes ideal 1.62x); not yet two threads, parallel at 16K or the 1.5B.
 Mainline llama.cpp at these shapes (`--engine mainline --phase decode --threads 1 --depths 4096,16384 --reps 2`,
 2026-11-27, AMD EPYC with AVX2 only, the other core converting): the 50% conversion (128 + 64) decodes at 1.08x
 the source at 4K and 1.53x at 16K (bytes ideal 1.16x / 1.50x), where the 25% conversion's 64 + 32 ran at
@@ -34,14 +35,16 @@ run at 128/128 (a kernel pair). Run "conversion flash-mla padded-value" (`--phas
 --depths 4096,16384`, one thread). README recommends it for prompt-heavy serving in ik if its pp4096 is at least
 0.83x the source's (the issue's "within 1.2x") and its decode at 16K is within 5% of the unpadded flash-mla's (the
 wider o_proj is read every step); otherwise it stays an option with its numbers.
-Measured (AMD EPYC, one thread, the other core busy, load about 2): pp4096 86.8 tokens/s, pp512 225.0. The
-source's and the unpadded rows (289.4 / 635.8 and 62.6 / 276.1) were measured on the Xeon, so the table's ratio for
-this row (0.30x / 0.35x) crosses machines and decides nothing: the rule is undecided until the source and the
-unpadded flash-mla run on the same CPU (`--phase prompt --runs "source,conversion flash-mla"`). Decode rows were
-stopped for time. Unless the EPYC is 2.8x faster than the Xeon at these prompts, it stays far from 0.83x: what bounds
-prompts is not only the kernel pair: the absorbed prompt (-mla 1 -fa 1, 192/128, a kernel pair) reaches only 0.51-0.53x and the
-GEMM mode 0.62-0.73x, so the conversion's prompt costs more arithmetic than the source's GQA heads (each of the 9
-heads scores 128 or 192 dimensions where the source's 3 KV heads of 64 are shared by 3 queries each).
+Measured (2026-11-28, AMD EPYC with AVX2, one thread, the other core converting, load about 2; every prompt row
+of the table measured again on that CPU: `--phase prompt --threads 1`): pp512 / pp4096 in tokens/s, the source 225.3 /
+126.4 (without flash attention 180.7 / 92.9); the conversion in -mla 3 36.5 at 4K (0.29x), with --pad-value 66.9 (0.53x;
+1.8x the unpadded), in -mla 1 -fa 1 68.8 (0.54x), in the GEMM mode 67.8 (0.54x the source's flash row; 0.73x its
+non-flash one). The rule fails (0.53x < 0.83x): --pad-value stays an option, not recommended: it brings -mla 3's
+prompts up to what -mla 1 -fa 1 already gives without a wider o_proj (whose decode rows were not run, so the 5% part
+was not reached). What bounds prompts is not the kernel pair but the arithmetic: each of the 9 heads scores 128
+(-mla 3) or 192 (-mla 1) dimensions and sums 64 or 128, where the source's 3 KV heads of 64 are shared by 3 queries
+each; the rope key alone (64) is as wide as the source's head. Within 1.2x of the source's prompts needs a
+narrower query-key width than d_r = 64 allows for a 64-wide source head.
 
 Protocol (issue 35). Source GGUF: the built-in GGUF requantized by mainline llama.cpp's llama-quantize
 to F32 and then Q8_0 (the weights `transmla inspect` dequantizes). Conversion: `transmla convert SOURCE
@@ -270,7 +273,14 @@ def phase_memory(work: Path, names: list[str], budgets: list[int], cache_types: 
                                              "load_before": before, "load_after": os.getloadavg(), "machine": machine()}}})
 
 
+def cpu_of(entry: dict, row: dict | None = None) -> str:
+    """The CPU a row was measured on: its own provenance (record's "measured"), else its entry's latest run."""
+    machine = ((row or {}).get("measured") or entry).get("machine", {}).get("machine", "")
+    return machine[machine.index("(") + 1 : machine.rindex(",")] if "(" in machine and "," in machine else machine
+
+
 def phase_report() -> None:
+    """The tables; a ratio to the source only between rows measured on the same CPU ("other CPU" otherwise)."""
     data = load_json(OUT_JSON)
     if not data:
         log(f"no results in {OUT_JSON} yet")
@@ -281,8 +291,8 @@ def phase_report() -> None:
     for phase in ("decode", "prompt"):
         if phase not in data:
             continue
-        lines += [f"## {phase}", "", "| engine | model | run | KV | threads | row | tokens/s median | vs source | ideal (bytes) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {phase}", "", "| engine | model | run | KV | threads | row | CPU | tokens/s median | vs source | ideal (bytes) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data[phase].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data[phase].get(f"{engine}|{name}|source|{cache_type}|{t}")
@@ -291,16 +301,20 @@ def phase_report() -> None:
             for row_key, row in entry["rows"].items():
                 tps = statistics.median(row["samples_ts"])
                 ratio = best = ""
+                cpu = cpu_of(entry, row)
                 if src and not label.startswith("source") and row_key in src["rows"]:
-                    ratio = f"{tps / statistics.median(src['rows'][row_key]['samples_ts']):.2f}x"
+                    if cpu_of(src, src["rows"][row_key]) != cpu:
+                        ratio = "other CPU"
+                    else:
+                        ratio = f"{tps / statistics.median(src['rows'][row_key]['samples_ts']):.2f}x"
                     if phase == "decode":
                         best = f"{ideal(src['gguf'], entry['gguf'], int(row_key), cache_type):.2f}x"
-                lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {row_key} | {tps:.1f} | {ratio} | {best} |")
+                lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {row_key} | {cpu} | {tps:.1f} | {ratio} | {best} |")
         lines.append("")
     if "parallel" in data:
         lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
-                  "| model | run | KV | threads | depth | sequences | decode tokens/s | vs source | ideal (bytes) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| model | run | KV | threads | depth | sequences | CPU | decode tokens/s | vs source | ideal (bytes) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data["parallel"].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
@@ -308,15 +322,17 @@ def phase_report() -> None:
                 src = data["parallel"].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
             for depth, rows in entry["rows"].items():
                 for row in rows:
+                    cpu = cpu_of(entry, row)
                     if "error" in row:
-                        lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | failed: {row['error']} | | |")
+                        lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {cpu} | failed: {row['error']} | | |")
                         continue
                     ratio = best = ""
                     src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]), None)
                     if src_row and not label.startswith("source"):
-                        ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x"
+                        same = cpu_of(src, src_row) == cpu
+                        ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x" if same else "other CPU"
                         best = f"{ideal(src['gguf'], entry['gguf'], int(depth), cache_type, row['sequences']):.2f}x"
-                    lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | "
+                    lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | {cpu} | "
                                  f"{row['decode_tps']:.1f} | {ratio} | {best} |")
         lines.append("")
     if "memory" in data:
@@ -330,7 +346,10 @@ def phase_report() -> None:
                 lines.append(f"| {name} | {label} | {cache_type} | {budget} | none fits | | | | | | |")
                 continue
             src = data["memory"].get(f"{engine}|{name}|source|{cache_type}|{budget}", {}).get("probe")
-            ratio = f"{probe['n_ctx'] / src['n_ctx']:.2f}x" if src and not label.startswith("source") else ""
+            src_entry = data["memory"].get(f"{engine}|{name}|source|{cache_type}|{budget}", {})
+            ratio = ""
+            if src and not label.startswith("source"):
+                ratio = f"{probe['n_ctx'] / src['n_ctx']:.2f}x" if cpu_of(src_entry) == cpu_of(entry) else "other CPU"
             lines.append(f"| {name} | {label} | {cache_type} | {budget} | {probe['n_ctx']} | {ratio} | {probe['n_ctx'] // 4096} | "
                          f"{probe['weights']:.0f} | {probe['kv']:.0f} | {probe['compute']:.0f} | {probe['rss']:.0f} |")
         lines.append("")
