@@ -49,6 +49,8 @@ the CLI's 2.83x / 3.27x / 2.42x. SmolLM2's 25% check (benchmarks/retrieval_ladde
 with `--propagate corrected`, measured on dev32 and then on the test windows (--lossy transmla-50-corrected) against
 the 1.15x goal. It is a measurement, not a choice: whether corrected becomes the default is decided by the rules
 above (SmolLM2's 25% rule in benchmarks/retrieval_ladder.py).
+transmla-50 measured again with today's CLI (far term; 2026-11-28, AMD EPYC, 143 min beside another job): 1.37x / 1.37x / 1.23x on wiki / lee / code, goal not met, 3-6% worse than
+before the far term (that row kept as transmla-50-before-far). 50-192+64+fit-corrected not run (time).
 
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
