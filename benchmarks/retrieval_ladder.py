@@ -145,6 +145,24 @@ a layer against the CLI fit's 94-114 s; rel150: 0.1335 / 0.1907 / 0.2063). Writt
 result: the second core, once free, runs rel200 too, judged by its rule above; if both pass, the cheaper
 (rel200-q256) becomes the default.
 
+The unitary rotation (issues 34 and 36; session of 2026-11-28 afternoon, written before measuring). RoRoPE's
+rotation across the KV heads of one frequency need not be real: any complex unitary matrix on a frequency's g
+coordinates commutes with RoPE's scalar exp(1j*w*t), so the PCA of the Hermitian E[conj(z) z^T] (rorope.py,
+plan.rotation "unitary") is exact where the real one is and puts more key energy in the component that keeps
+RoPE. On SmolLM2's calibration keys (8 x 512 wiki tokens, out/exp/complex_energy.py) the key energy that loses
+RoPE at one component per frequency falls from 13-37% (real) to 6-20% (unitary) per layer. RoRoPE is where
+recall is lost (74% of the nll the conversion loses before its fit, --stage-recall rope-64), so:
+rope-64-unitary and cli-25-unitary (fit-free) report the stages (rorope: RoRoPE alone) against rope-64's and
+cli-25's; their "+fit" runs with the CLI's fit at that budget (50%: rope-64+fit-repeat2-far256-mid-w2's; 25%:
+cli-25+fit-rel200-q256's). rope-64-unitary+fit becomes the CLI's 50% rotation only if, against
+rope-64+fit-repeat2-far256-mid-w2 (dev recall 52% / 1.213, keys 0.336 / 23, dev32 27.21; source recall 58% /
+0.964), its dev recall nll is 1.188 or lower (10% of that gap) with accuracy 52% or more, its key NLL 0.350 or
+lower with 21 or more exact, and its dev32 27.48 or lower (+1%). cli-25-unitary+fit becomes the CLI's 25%
+rotation only by the 25% rule against cli-25+fit-rel200-q256 (keys 1.007 / 15, dev32 42.14, dev recall 28% /
+2.137): key NLL 0.936 or lower, 15 or more exact, dev32 42.98 or lower (+2%), dev recall nll 2.196 or lower. The
+test tables (benchmarks/passkey, benchmarks/choice_tasks, wiki-test 32) are rerun for a rotation that passes
+before the CLI takes it.
+
 rope-64+fit-rel200-q256-far (issues 34 and 36; session of 2026-11-28, written before measuring): the 25% fit
 (relative rates, warmup, cosine decay, 256 sampled queries) with the 50% default's far term (256 tokens,
 weight 2, layers 15-24). Against rope-64+fit-repeat2-far256-mid-w2 (the CLI's 50% fit: dev recall 52% /
@@ -307,6 +325,18 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                               "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {},
                              "cli-25+fit-rel200-q256 (the CLI's 25%) with --propagate corrected: each layer fitted from the "
                              "converted model's hidden states to the source model's attention output"),
+    "rope-64-unitary": ({**ROPE_64, "fit_steps": 0}, {"rotation": "unitary"},
+                        "rope-64 with the unitary rotation: RoRoPE's PCA across heads complex (exact, more key energy in rope)"),
+    "rope-64-unitary+fit": ({**ROPE_64, "fit_shape": (64, 1024),
+                             "fit_repeat": 2, "fit_settings": dict(steps=200, lr=1e-3, far=256, far_weight=2.0,
+                                                                   far_layers=tuple(range(15, 25)))},
+                            {"rotation": "unitary"},
+                            "rope-64-unitary with the CLI's 50% fit (rope-64+fit-repeat2-far256-mid-w2's)"),
+    "cli-25-unitary": ({"kv_budget": 0.25, "fit_steps": 0}, {"rotation": "unitary"},
+                       "cli-25 with the unitary rotation"),
+    "cli-25-unitary+fit": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
+                            "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {"rotation": "unitary"},
+                           "cli-25-unitary with the CLI's 25% fit (cli-25+fit-rel200-q256's)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),

@@ -152,15 +152,18 @@ def reference_partial_rope(src, x, rotation, kept, freqs):
     return o + (0 if src.bo is None else src.bo.double())
 
 
-@pytest.mark.parametrize("fold,rope_dim,selection,family", [
-    (1, 8, "uniform", "llama"), (2, 4, "uniform", "qwen2"), (1, 6, "score", "qwen2"), (4, 4, "score", "llama"),
+@pytest.mark.parametrize("fold,rope_dim,selection,family,rotation", [
+    (1, 8, "uniform", "llama", "real"), (2, 4, "uniform", "qwen2", "real"), (1, 6, "score", "qwen2", "real"),
+    (4, 4, "score", "llama", "real"), (1, 8, "uniform", "llama", "unitary"), (2, 4, "score", "qwen2", "unitary"),
 ])
-def test_partial_rope_layer_matches_definition(tiny_factory, fold, rope_dim, selection, family):
+def test_partial_rope_layer_matches_definition(tiny_factory, fold, rope_dim, selection, family, rotation):
     _, path = tiny_factory(family, bias=family == "qwen2")
     config, srcs, stats = _stats(path)
     src, gram = srcs[1], stats[1].gram
-    plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - rope_dim, rope_dim=rope_dim, freqfold=fold, selection=selection)
+    plan = TransMLAPlan(kv_lora_rank=2 * G * D_HEAD - rope_dim, rope_dim=rope_dim, freqfold=fold, selection=selection,
+                        rotation=rotation)
     choice, _ = choose_rope(src, LayerMoments.of(src, gram), plan)
+    assert choice.rotation.unitary == (rotation == "unitary")
     staged = stage_layers(src, gram, plan)
     attn = mla_attention(config, staged["freqfold"], "cpu")
     x = torch.randn(1, 12, config.hidden_size, generator=torch.Generator().manual_seed(4))
@@ -399,3 +402,51 @@ def test_auto_fold_is_head_dim_over_rope_dim():
     assert [auto_fold(64, r) for r in (128, 64, 48, 32, 24, 16, 8, 2)] == [1, 1, 1, 2, 2, 4, 8, 32]
     for r in (2, 4, 8, 16, 32, 64):
         assert (64 // 2) // auto_fold(64, r) == r // 2
+
+
+# -- the unitary rotation (RoRoPE with a complex basis) -------------------------------------------
+
+
+def test_unitary_rotation_is_unitary_and_keeps_more_energy():
+    """The complex PCA's leading component per group holds at least the real PCA's key energy; its
+    basis is unitary and its energies are the components' E|z'_c|^2."""
+    torch.manual_seed(0)
+    a = torch.randn(G * D_HEAD, 64, dtype=torch.float64)
+    # heads whose pairs are 90 degrees out of phase with head 0's: all the real PCA cannot pool
+    a[D_HEAD : D_HEAD + D_HEAD // 2] = -a[D_HEAD // 2 : D_HEAD]
+    a[D_HEAD + D_HEAD // 2 :] = a[: D_HEAD // 2]
+    moment = a @ a.T / 64
+    real = rorope(pair_second_moment(moment, G, D_HEAD), G, D_HEAD, 1)
+    herm = pair_second_moment(moment, G, D_HEAD, hermitian=True)
+    torch.testing.assert_close(herm.real, pair_second_moment(moment, G, D_HEAD))
+    uni = rorope(herm, G, D_HEAD, 1)
+    t = uni.matrix()
+    assert uni.unitary and not real.unitary
+    torch.testing.assert_close(t @ t.mH, torch.eye(G * D_HEAD // 2, dtype=torch.complex128))
+    torch.testing.assert_close(torch.diagonal(t @ herm.conj() @ t.mH).real, uni.energy.reshape(-1))
+    assert (uni.energy[:, 0] >= real.energy[:, 0] - 1e-9).all()
+    # the phase-shifted heads: one complex component holds every group's energy, the real one half
+    torch.testing.assert_close(uni.energy[:, 0], uni.energy.sum(1))
+    assert (real.energy[:, 0] < 0.75 * real.energy.sum(1)).all()
+
+
+def test_unitary_rorope_every_dim_and_logit_error(tiny_factory, tmp_path):
+    """Every component kept at F = 1: the unitary rotation is exact (logits and the logit criterion's
+    zero); with fewer rope pairs its expected logit error is finite and the conversion is lossy."""
+    source, path = tiny_factory("llama")
+    plan = TransMLAPlan(kv_lora_rank=G * D_HEAD, rope_dim=G * D_HEAD, freqfold=1, rotation="unitary")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, _ = _convert_files(path, tmp_path / "out", plan)
+    x = _ids(2)
+    torch.testing.assert_close(model(x).logits, source(x).logits, **TOL)
+    _, srcs, stats = _stats(path)
+    m = LayerMoments.of(srcs[0], stats[0].gram)
+    rot = rorope(pair_second_moment(m.key, G, D_HEAD, hermitian=True), G, D_HEAD, 1)
+    everything = torch.arange(G * D_HEAD // 2)
+    inv = srcs[0].inv_freq
+    assert abs(logit_error(rot, everything, kept_frequencies(rot, everything, inv), inv, m.key, m.query)) < 1e-9
+    kept = everything[::2]
+    assert logit_error(rot, kept, kept_frequencies(rot, kept, inv), inv, m.key, m.query) > 1e-6
+    with pytest.raises(ValueError, match="rotation"):
+        choose_rope(srcs[0], m, TransMLAPlan(kv_lora_rank=8, rope_dim=4, rotation="complex"))

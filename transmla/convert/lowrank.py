@@ -36,8 +36,8 @@ def output_covariance(w: torch.Tensor, gram: torch.Tensor | None) -> torch.Tenso
 
 
 def principal_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvectors (columns) and eigenvalues of a symmetric PSD matrix, descending."""
-    cov = 0.5 * (cov + cov.T)
+    """Eigenvectors (columns) and eigenvalues of a symmetric (or Hermitian) PSD matrix, descending."""
+    cov = 0.5 * (cov + cov.mH)
     evals, evecs = torch.linalg.eigh(cov)
     order = torch.argsort(evals, descending=True)
     return evecs[:, order], evals[order].clamp_min(0)

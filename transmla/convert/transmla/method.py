@@ -32,6 +32,7 @@ from .bkv import assemble_layer, attention_metric, identity_latent, joint_pca
 from .budget import shared_rope_budget, transmla_budget, validate_transmla_shape
 from .fold import auto_fold, fold_candidates
 from .rorope import (
+    ROTATIONS,
     check_fold,
     component_scores,
     kept_frequencies,
@@ -65,6 +66,8 @@ class TransMLAPlan:
     selection: str = "score"  # score (ours: top components by expected score change) | uniform (published)
     frequencies: str = "published"  # published | weighted (frequency of a folded component)
     nope_scale: bool = False  # scale each NoPE'd pair by E cos(w Delta) (least squares) instead of 1
+    # RoRoPE's rotation across KV heads (rorope.py): real (published) | unitary (complex, keeps more key energy in rope)
+    rotation: str = "real"
     balance: bool = True  # BKV
     centre: bool = False  # PCA of the covariance (means restored exactly) instead of the second moment
     # PCA metric (bkv.py): activation (the published plain PCA of [K_nope; V]; the best with our
@@ -149,7 +152,9 @@ class RopeChoice:
 def _rope_choice(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan, fold: int) -> RopeChoice:
     geo = src.geometry
     g, d = geo.num_kv_heads, geo.head_dim
-    rot = rorope(pair_second_moment(m.key, g, d), g, d, fold)
+    if plan.rotation not in ROTATIONS:
+        raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {plan.rotation!r}")
+    rot = rorope(pair_second_moment(m.key, g, d, hermitian=plan.rotation == "unitary"), g, d, fold)
     num_pairs = plan.rope_dim // 2
     scores = None
     if plan.selection in ("score", "grid"):

@@ -8,10 +8,14 @@ Pair space: the g*d/2 complex coordinates p = j*(d/2) + i, the order of the repl
 key (replicate.rope_pair_rows). A fold group a pools the F adjacent frequencies aF..aF+F-1 of all g
 heads: g*F coordinates (j, k) -> p = j*(d/2) + aF + k. RoRoPE is F = 1.
 
-Per group, a real orthogonal U_a (PCA of C_a = E[Re z Re z^T + Im z Im z^T], uncentred, float64,
-descending) rotates the coordinates into components m = a*g*F + c. The same U_a acts on real and
-imaginary parts of the keys and of the slot-placed queries; for F = 1 it commutes with
-exp(1j*w_i*t), so every score is unchanged (exact). A subset of components is kept as rope pairs of
+Per group, an orthogonal U_a (PCA, uncentred, float64, descending) rotates the coordinates into
+components m = a*g*F + c: z'_c = sum_p U_a[p, c] z_p, the same map on the keys and on the
+slot-placed queries. "real" (published): U_a real, the PCA of C_a = E[Re z Re z^T + Im z Im z^T], the
+same rotation on real and imaginary parts. "unitary" (ours): U_a complex unitary, the PCA of the
+Hermitian E[conj(z) z^T]; it sees the phase between heads that the real C_a averages away, so the
+leading components hold more key energy (a real U_a is the special case). Either way, for F = 1 the
+map multiplies each frequency's coordinates by a matrix, and every such matrix commutes with the
+scalar exp(1j*w_i*t): every score is unchanged (exact; sum_c q'_c conj(k'_c) = q^T conj(k) for unitary U). A subset of components is kept as rope pairs of
 the shared key, each with one frequency; the others lose RoPE and become NoPE dims (the
 approximation). For F > 1 a kept component mixes F frequencies but rotates with one (approximate).
 """
@@ -26,6 +30,7 @@ from ..lowrank import principal_basis
 from ..replicate import rope_pair_rows
 
 SELECTIONS = ("uniform", "score", "grid")
+ROTATIONS = ("real", "unitary")
 FREQUENCY_RULES = ("published", "weighted")
 
 
@@ -34,31 +39,38 @@ FREQUENCY_RULES = ("published", "weighted")
 # --------------------------------------------------------------------------------------------
 
 
-def pair_second_moment(moment: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """C[p, p'] = E[Re z_p Re z_p' + Im z_p Im z_p'] from E[k k^T] of `num_heads` rotate-half heads.
+def pair_second_moment(moment: torch.Tensor, num_heads: int, head_dim: int, hermitian: bool = False) -> torch.Tensor:
+    """C[p, p'] = E[Re z_p Re z_p' + Im z_p Im z_p'] from E[k k^T] of `num_heads` rotate-half heads;
+    hermitian: E[conj(z_p) z_p'] (complex; its real part is C), what the unitary rotation needs.
 
     moment [num_heads*d, num_heads*d] (head-major rows, as k_proj) -> [num_heads*d/2, num_heads*d/2].
-    C is RoPE-invariant: the rotation by exp(1j*w*t) is unitary on each pair.
+    Both are RoPE-invariant: the rotation by exp(1j*w*t) is unitary on each pair.
     """
     rows = rope_pair_rows(num_heads, head_dim)
     half = rows.numel() // 2
     re, im = rows[:half], rows[half:]
     m = moment.double()
-    return m[re][:, re] + m[im][:, im]  # [n*d/2, n*d/2]
+    real = m[re][:, re] + m[im][:, im]  # [n*d/2, n*d/2]
+    if not hermitian:
+        return real
+    # conj(z) z^T = (a - ib)(a + ib)^T = a a^T + b b^T + i (a b^T - b a^T)
+    return torch.complex(real, m[re][:, im] - m[im][:, re])
 
 
 def query_pair_moment(query_moments: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Pair-space second moment of the slot-placed queries, summed over each group's heads.
+    """Pair-space second moment E[conj(q_p) q_p'] of the slot-placed queries, summed over each group's heads.
 
     query_moments [g, d, d]: sum over the query heads of group j of E[q_h q_h^T] (un-rotated).
     A slot-placed query lives in its group's slot only, so the result is block-diagonal over
-    heads: [g*d/2, g*d/2] (pair space). Used only to score components (never for exactness).
+    heads: [g*d/2, g*d/2] complex (pair space; as pair_second_moment's hermitian form). Used only
+    to score components (never for exactness).
     """
     half = head_dim // 2
-    out = query_moments.new_zeros(num_kv_heads * half, num_kv_heads * half, dtype=torch.float64)
+    out = query_moments.new_zeros(num_kv_heads * half, num_kv_heads * half, dtype=torch.complex128)
     for j in range(num_kv_heads):
         m = query_moments[j].double()  # [d, d]
-        out[j * half : (j + 1) * half, j * half : (j + 1) * half] = m[:half, :half] + m[half:, half:]
+        a, b = slice(0, half), slice(half, head_dim)
+        out[j * half : (j + 1) * half, j * half : (j + 1) * half] = torch.complex(m[a, a] + m[b, b], m[a, b] - m[b, a])
     return out
 
 
@@ -88,7 +100,7 @@ class RopeRotation:
     num_kv_heads: int
     head_dim: int
     fold: int
-    basis: torch.Tensor  # [G, g*F, g*F] float64, columns = components; rows (j, k) as group_pairs
+    basis: torch.Tensor  # [G, g*F, g*F] float64 or complex128, columns = components; rows (j, k) as group_pairs
     energy: torch.Tensor  # [G, g*F] key energy E|z'_c|^2 of each component (eigenvalues)
 
     @property
@@ -99,10 +111,14 @@ class RopeRotation:
     def group_width(self) -> int:
         return self.basis.shape[1]
 
+    @property
+    def unitary(self) -> bool:
+        return self.basis.is_complex()
+
     def matrix(self) -> torch.Tensor:
-        """T [g*d/2 components, g*d/2 pairs], orthogonal: z' = T z (same T on real and imaginary parts)."""
+        """T [g*d/2 components, g*d/2 pairs], orthogonal (real) or unitary (complex): z' = T z."""
         n = self.num_kv_heads * self.head_dim // 2
-        t = torch.zeros(n, n, dtype=torch.float64)
+        t = torch.zeros(n, n, dtype=self.basis.dtype)
         w = self.group_width
         for a in range(self.num_groups):
             cols = group_pairs(self.num_kv_heads, self.head_dim, self.fold, a)
@@ -116,21 +132,23 @@ class RopeRotation:
     def frequency_weights(self) -> torch.Tensor:
         """[g*d/2, F]: how much of component m lies on each frequency k of its group (rows sum to 1)."""
         g, f = self.num_kv_heads, self.fold
-        w = self.basis.pow(2).view(self.num_groups, g, f, self.group_width).sum(1)  # [G, F, gF]
+        w = self.basis.abs().pow(2).view(self.num_groups, g, f, self.group_width).sum(1)  # [G, F, gF]
         return w.transpose(1, 2).reshape(-1, f)
 
 
 def rorope(key_pair_moment: torch.Tensor, num_kv_heads: int, head_dim: int, fold: int = 1) -> RopeRotation:
     """PCA of the key pairs across KV heads, per fold group of `fold` adjacent frequencies.
 
-    key_pair_moment [g*d/2, g*d/2] from pair_second_moment (E[k k^T] of the un-rotated keys).
+    key_pair_moment [g*d/2, g*d/2] from pair_second_moment (E[k k^T] of the un-rotated keys): real
+    gives the published real rotation, hermitian (complex) the unitary one.
     """
     check_fold(fold, head_dim)
     groups = head_dim // 2 // fold
     bases, energies = [], []
     for a in range(groups):
         idx = group_pairs(num_kv_heads, head_dim, fold, a)
-        c_a = key_pair_moment.double()[idx][:, idx]  # [gF, gF] = sum Re z Re z^T + Im z Im z^T
+        moment = key_pair_moment if key_pair_moment.is_complex() else key_pair_moment.double()
+        c_a = moment[idx][:, idx]  # [gF, gF]: E[Re z Re z^T + Im z Im z^T] or E[conj(z) z^T]
         basis, energy = principal_basis(c_a)  # descending; damping would not change the basis
         bases.append(basis)
         energies.append(energy)
@@ -159,8 +177,9 @@ def component_scores(
     energy-weighted frequency (the MHA2MLA 2-norm idea, made frequency-aware: slow pairs barely
     rotate within the context, so they lose little as NoPE).
     """
-    t = rotation.matrix()  # [n, n]
-    q_energy = torch.einsum("mp,pq,mq->m", t, query_pair.double(), t)  # [n]
+    t = rotation.matrix().to(torch.complex128)  # [n, n]
+    # E|q'_m|^2 = sum_pq t_mp conj(t_mq) E[q_p conj(q_q)], and query_pair holds E[conj(q_p) q_q]
+    q_energy = torch.einsum("mp,pq,mq->m", t.conj(), query_pair.to(torch.complex128), t).real  # [n]
     k_energy = rotation.energy.reshape(-1)
     w = weighted_frequencies(rotation, inv_freq)
     sensitivity = 2.0 - 2.0 * mean_cos(w, context)
@@ -280,11 +299,15 @@ def split_rope(
     g, d = rotation.num_kv_heads, rotation.head_dim
     half, n = d // 2, rotation.num_kv_heads * d // 2
     group = num_heads // g
-    t = rotation.matrix()  # [n, n]
+    t = rotation.matrix().to(torch.complex128)  # [n, n]
     dtype = torch.float64
     rows = rope_pair_rows(g, d)
-    k_re = t @ wk.double()[rows[:n]]  # [n, D+1] real parts of the components (z' = T z)
-    k_im = t @ wk.double()[rows[n:]]  # [n, D+1] imaginary parts
+
+    def apply(m: torch.Tensor, re: torch.Tensor, im: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (m (re + i im)): real and imaginary parts, m complex, re/im real
+        return m.real @ re - m.imag @ im, m.imag @ re + m.real @ im
+
+    k_re, k_im = apply(t, wk.double()[rows[:n]], wk.double()[rows[n:]])  # [n, D+1] each: z' = T z
     mask = torch.zeros(n, dtype=torch.bool)
     mask[kept] = True
     nope = torch.arange(n)[~mask]
@@ -292,14 +315,17 @@ def split_rope(
     q_rope = []
     for h in range(num_heads):
         t_j = t[:, (h // group) * half : (h // group + 1) * half]  # [n, d/2] slot of group j
-        q_re, q_im = t_j @ q[h, :half], t_j @ q[h, half:]  # [n, D+1] rotated slot-placed query
+        q_re, q_im = apply(t_j, q[h, :half], q[h, half:])  # [n, D+1] rotated slot-placed query
         q_rope.append(torch.cat((q_re[kept], q_im[kept])))  # [r, D+1]
-    # Head j's key = T^T z' restricted to its slot; keep the NoPE columns (real, then imaginary).
+    # Head j's key = T^H z' (T unitary) restricted to its slot; keep the NoPE columns (real, then
+    # imaginary): the real form [[Re B, -Im B], [Im B, Re B]] of B = (T^H)[slot j, NoPE].
     to_head = torch.zeros(g, d, 2 * nope.numel(), dtype=dtype)
     for j in range(g):
-        back = t[nope][:, j * half : (j + 1) * half].T  # [d/2, |N|]
-        to_head[j, :half, : nope.numel()] = back
-        to_head[j, half:, nope.numel() :] = back
+        back = t[nope][:, j * half : (j + 1) * half].mH  # [d/2, |N|]
+        to_head[j, :half, : nope.numel()] = back.real
+        to_head[j, :half, nope.numel() :] = -back.imag
+        to_head[j, half:, : nope.numel()] = back.imag
+        to_head[j, half:, nope.numel() :] = back.real
     # The NoPE factor goes on the key side, so that the low-rank step sees what the scores use.
     scale = torch.ones(n, dtype=dtype) if nope_scale is None else nope_scale.double()
     s_nope = scale[nope][:, None]  # [|N|, 1]
@@ -367,11 +393,12 @@ def logit_error(
         idx = group_pairs(g, d, f, a)
         idx2 = torch.cat((idx, idx + n))  # [2gF] real then imaginary coordinates
         c_k, c_q = km[idx2][:, idx2], qm[idx2][:, idx2]
-        u = rotation.basis[a]  # [gF, gF] columns = components
-        # projectors: source frequency k (its g coordinates), converted component c (u_c u_c^T)
-        eye = torch.eye(w, dtype=torch.float64)
+        u = rotation.basis[a].to(torch.complex128)  # [gF, gF] columns = components
+        # projectors: source frequency k (its g coordinates), converted component c: z'_c = u_c^T z
+        # contributes conj(q'_c) z'_c = q^H P_c z with P_c = conj(u_c) u_c^T (u_c u_c^T when real)
+        eye = torch.eye(w, dtype=torch.complex128)
         src_proj = [torch.diag(eye[torch.arange(g) * f + k].sum(0)) for k in range(f)]  # [gF, gF] each
-        comp_proj = [torch.outer(u[:, c], u[:, c]) for c in range(w)]
+        comp_proj = [torch.outer(u[:, c].conj(), u[:, c]) for c in range(w)]
         mats, coefs = [], []
         for k, p in enumerate(src_proj):
             wk = inv_freq.double()[a * f + k]
@@ -385,10 +412,11 @@ def logit_error(
             else:
                 coefs += [-scale[m_c] * torch.ones(context, dtype=torch.float64), zero]
         x = []
-        for i, p in enumerate(mats):  # even: cos term [[P, 0], [0, P]]; odd: sin term [[0, P], [-P, 0]]
-            o = torch.zeros_like(p)
-            x.append(torch.cat((torch.cat((p, o), 1), torch.cat((o, p), 1))) if i % 2 == 0
-                     else torch.cat((torch.cat((o, p), 1), torch.cat((-p, o), 1))))
+        for i, p in enumerate(mats):
+            # the real form [[Re M, -Im M], [Im M, Re M]] on [Re; Im] of M = P (cos term) or -iP (sin
+            # term): for a real P, [[P, 0], [0, P]] and [[0, P], [-P, 0]]
+            m = p if i % 2 == 0 else -1j * p
+            x.append(torch.cat((torch.cat((m.real, -m.imag), 1), torch.cat((m.imag, m.real), 1))))
         xs = torch.stack(x)  # [T, 2gF, 2gF]
         ys = c_q @ xs @ c_k  # [T, 2gF, 2gF]
         traces = xs.flatten(1) @ ys.flatten(1).T  # [T, T]: tr(X_t^T C_q X_s C_k)
@@ -411,6 +439,7 @@ def nope_scales(rotation: RopeRotation, inv_freq: torch.Tensor, context: int = 5
 __all__ = [
     "FREQUENCY_RULES",
     "PartialRope",
+    "ROTATIONS",
     "RopeRotation",
     "SELECTIONS",
     "check_fold",
