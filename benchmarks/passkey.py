@@ -68,7 +68,10 @@ EARLIER = ("transmla 50%, fit 1024 x 64", "transmla 50% exportable, fit 1024 x 6
            # the far term at weight 1 (its first weight, 2026-11-27; then 2: retrieval_ladder rope-64+fit-repeat2-far256-mid-w2)
            "transmla 50% exportable, far weight 1",
            # the 25% fit before its relative rates (2026-11-27 night: retrieval_ladder cli-25+fit-rel200-q256)
-           "transmla 25% exportable, constant-rate fit")
+           "transmla 25% exportable, constant-rate fit",
+           # the 25% conversion with RoRoPE's real rotation (the unitary one since 2026-11-28: retrieval_ladder
+           # cli-25-unitary+fit)
+           "transmla 25% exportable, real rotation")
 
 
 # The CPU of the runs made before each row recorded its own (every one of them ran on this Xeon).

@@ -162,6 +162,17 @@ rotation only by the 25% rule against cli-25+fit-rel200-q256 (keys 1.007 / 15, d
 2.137): key NLL 0.936 or lower, 15 or more exact, dev32 42.98 or lower (+2%), dev recall nll 2.196 or lower. The
 test tables (benchmarks/passkey, benchmarks/choice_tasks, wiki-test 32) are rerun for a rotation that passes
 before the CLI takes it.
+Result at 25% (AMD EPYC with AVX2, one core each, the two conversions side by side): fit-free, the unitary
+rotation takes RoRoPE's key probe from 2.678 / 1 to 1.829 / 0 and, after the truncation, 2.917 / 0 to 2.637 / 0,
+dev32 123.0 to 99.8 (-19%). With the fit (cli-25-unitary+fit, 2295 s): keys 0.935 / 18 exact against 1.007 / 15,
+dev32 42.89 against 42.14 (+1.8%), dev recall 30% / 2.102 against 28% / 2.137: it passes the 25% rule, narrowly on
+the key NLL (0.935 against 0.936) and on dev32 (42.89 against 42.98), clearly on exact keys. The fit takes back
+most of what the rotation gives perplexity before it and keeps more of the keys. The CLI's rotation is unitary
+at 25% of the cache and below since (method.UNITARY_MAX_BUDGET; `--rotation auto`); the 25% test tables were
+rerun for it (benchmarks/passkey: "transmla 25% exportable"; the real rotation's rows kept as "..., real
+rotation"). At 50% fit-free (rope-64-unitary): RoRoPE 0.998 / 12 against 1.593 / 7, after the truncation 1.631 /
+10 against 2.104 / 5, dev32 35.43 against 40.06 (-12%), dev recall after the truncation 28% / 1.836 against 28% /
+2.169.
 
 rope-64+fit-rel200-q256-far (issues 34 and 36; session of 2026-11-28, written before measuring): the 25% fit
 (relative rates, warmup, cosine decay, 256 sampled queries) with the 50% default's far term (256 tokens,

@@ -409,6 +409,7 @@ def test_finetune_output_dir_empty_or_earlier_run_or_force(mla, tmp_path, cli):
     (["--method", "transmla", "--kv-budget", "0"], "between 0 and 1"),
     (["--method", "lossless", "--kv-budget", "0.25"], "--kv-budget does not apply to method lossless"),
     (["--method", "lossless", "--kv-lora-rank", "8"], "--kv-lora-rank does not apply to method lossless"),
+    (["--method", "transmla", "--kv-budget", "0.5", "--rotation", "complex"], "rotation must be one of real, unitary or auto"),
 ])
 def test_meaningless_cache_settings_are_errors(mla, tmp_path, cli, args, needle):
     code, _, err = cli("convert", mla / "src", tmp_path / "out", *args)

@@ -450,3 +450,16 @@ def test_unitary_rorope_every_dim_and_logit_error(tiny_factory, tmp_path):
     assert logit_error(rot, kept, kept_frequencies(rot, kept, inv), inv, m.key, m.query) > 1e-6
     with pytest.raises(ValueError, match="rotation"):
         choose_rope(srcs[0], m, TransMLAPlan(kv_lora_rank=8, rope_dim=4, rotation="complex"))
+
+
+def test_rotation_auto_is_unitary_where_chosen():
+    """--rotation auto: unitary with several KV heads at 25% of the cache and below; real at 50% and with one KV head."""
+    from transmla.convert.transmla.method import TransMLAOptions, plan_from_options
+    from transmla.families import AttentionGeometry
+
+    smollm2 = AttentionGeometry(576, 9, 3, 64, 30)
+    gemma3 = AttentionGeometry(640, 4, 1, 256, 18)
+    rotation = lambda geo, **kw: plan_from_options(TransMLAOptions(**kw), geo).rotation  # noqa: E731
+    assert [rotation(smollm2, kv_budget=b) for b in (0.5, 0.25, 0.125)] == ["real", "unitary", "unitary"]
+    assert rotation(gemma3, kv_budget=0.25) == "real" and rotation(gemma3, kv_budget=0.25, rotation="unitary") == "unitary"
+    assert rotation(smollm2, kv_budget=0.25, rotation="real") == "real" and rotation(smollm2, kv_budget=0.5, rotation="Unitary") == "unitary"

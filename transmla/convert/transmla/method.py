@@ -27,7 +27,7 @@ from ..layers import MLALayer, SourceAttention
 from ..lowrank import with_bias_column
 from ..method import ConversionMethod, StatsNeeds
 from ...schema import option
-from ..budget import check_kv_budget
+from ..budget import budget_elements, check_kv_budget
 from .bkv import assemble_layer, attention_metric, identity_latent, joint_pca
 from .budget import shared_rope_budget, transmla_budget, validate_transmla_shape
 from .fold import auto_fold, fold_candidates
@@ -51,6 +51,11 @@ DEFAULT_PROPAGATE = "original"
 # (benchmarks/results/transmla_bench.md, dev32).
 DEFAULT_CALIBRATION = (2048, 16)
 FOLD_RULES = ("auto", "logit")
+# The CLI's rotation ("auto") is the unitary one for a cache of at most this share of the source's: chosen there
+# by the 25% rule written before measuring (benchmarks/results/retrieval_ladder.md, cli-25-unitary+fit against
+# cli-25+fit-rel200-q256: more dev keys, dev recall and dev32 within the rule); real above until a 50% run and
+# its test tables pass (rope-64-unitary+fit).
+UNITARY_MAX_BUDGET = 0.25
 # The output-aware fit after each layer's conversion (output_fit.py), chosen on dev32
 # (benchmarks/results/output_fit.md).
 DEFAULT_FIT_STEPS = 200
@@ -285,8 +290,17 @@ class TransMLAOptions:
         flag="--shared-rope/--per-layer-rope",
     )
 
+    rotation: str = option(
+        "auto", "transmla: RoRoPE's rotation across the KV heads of each frequency: 'real' (published), 'unitary' "
+        "(a complex PCA: as exact, keeps more of the keys' energy under RoPE; benchmarks/results/rope_energy.md) or "
+        "'auto' (unitary where it was chosen: several KV heads and a cache of at most 25% of the source's; else real)."
+    )
+
     def __post_init__(self) -> None:
         check_kv_budget(self.kv_budget)
+        self.rotation = str(self.rotation).strip().lower()
+        if self.rotation not in (*ROTATIONS, "auto"):
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)} or auto, got {self.rotation!r}")
 
 
 def resolve_shape(options: TransMLAOptions, geo: AttentionGeometry) -> tuple[int, int]:
@@ -318,7 +332,12 @@ def plan_from_options(options: TransMLAOptions, geo: AttentionGeometry) -> Trans
         q_out = geo.num_heads * (geo.head_dim + r)
         if not 1 <= options.q_lora_rank <= min(q_out, geo.hidden_size):
             raise ValueError(f"q_lora_rank must be between 1 and {min(q_out, geo.hidden_size)}, got {options.q_lora_rank}")
-    plan = default_plan(R, r, fold, options.q_lora_rank)
+    rotation = options.rotation
+    if rotation == "auto":
+        # one KV head: nothing to rotate across (at F > 1 a complex basis would only mix frequencies, unmeasured)
+        unitary = geo.num_kv_heads > 1 and R + r <= budget_elements(UNITARY_MAX_BUDGET, geo.kv_elements_per_token_per_layer)
+        rotation = "unitary" if unitary else "real"
+    plan = replace(default_plan(R, r, fold, options.q_lora_rank), rotation=rotation)
     return shared_rope_plan(plan, geo.head_dim) if options.shared_rope else plan
 
 
