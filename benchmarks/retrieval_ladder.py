@@ -149,8 +149,9 @@ The unitary rotation (issues 34 and 36; session of 2026-11-28 afternoon, written
 rotation across the KV heads of one frequency need not be real: any complex unitary matrix on a frequency's g
 coordinates commutes with RoPE's scalar exp(1j*w*t), so the PCA of the Hermitian E[conj(z) z^T] (rorope.py,
 plan.rotation "unitary") is exact where the real one is and puts more key energy in the component that keeps
-RoPE. On SmolLM2's calibration keys (8 x 512 wiki tokens, out/exp/complex_energy.py) the key energy that loses
-RoPE at one component per frequency falls from 13-37% (real) to 6-20% (unitary) per layer. RoRoPE is where
+RoPE. On SmolLM2's keys the key energy that loses
+RoPE at one component per frequency falls from 13-37% (real) to 6-20% (unitary) per layer (8 x 512 tokens
+through the model; from the CLI's calibration gram, benchmarks/rope_energy: 24% to 14% on average). RoRoPE is where
 recall is lost (74% of the nll the conversion loses before its fit, --stage-recall rope-64), so:
 rope-64-unitary and cli-25-unitary (fit-free) report the stages (rorope: RoRoPE alone) against rope-64's and
 cli-25's; their "+fit" runs with the CLI's fit at that budget (50%: rope-64+fit-repeat2-far256-mid-w2's; 25%:
