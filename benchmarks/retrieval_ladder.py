@@ -174,6 +174,10 @@ rerun for it (benchmarks/passkey: "transmla 25% exportable"; the real rotation's
 rotation"). At 50% fit-free (rope-64-unitary): RoRoPE 0.998 / 12 against 1.593 / 7, after the truncation 1.631 /
 10 against 2.104 / 5, dev32 35.43 against 40.06 (-12%), dev recall after the truncation 28% / 1.836 against 28% /
 2.169.
+At 50% with the CLI's fit (rope-64-unitary+fit, 6806 s beside the 25% conversion): keys 0.311 / 21 (w2: 0.336 / 23),
+dev32 27.40 (27.21), dev recall 48% / 1.344 against w2's 52% / 1.213: it fails its rule on recall (1.188 or lower
+with 52% or more), so the 50% conversion keeps the real rotation. As at 25%, the fit takes back the rotation's
+head start (attention-output error 0.142 -> 0.053 against w2's 0.161 -> 0.050).
 
 rope-64+fit-rel200-q256-far (issues 34 and 36; session of 2026-11-28, written before measuring): the 25% fit
 (relative rates, warmup, cosine decay, 256 sampled queries) with the 50% default's far term (256 tokens,

@@ -53,8 +53,8 @@ DEFAULT_CALIBRATION = (2048, 16)
 FOLD_RULES = ("auto", "logit")
 # The CLI's rotation ("auto") is the unitary one for a cache of at most this share of the source's: chosen there
 # by the 25% rule written before measuring (benchmarks/results/retrieval_ladder.md, cli-25-unitary+fit against
-# cli-25+fit-rel200-q256: more dev keys, dev recall and dev32 within the rule); real above until a 50% run and
-# its test tables pass (rope-64-unitary+fit).
+# cli-25+fit-rel200-q256: more dev keys, dev recall and dev32 within the rule); real above (at 50%,
+# rope-64-unitary+fit lost dev recall against the real rotation's conversion: rejected by its rule).
 UNITARY_MAX_BUDGET = 0.25
 # The output-aware fit after each layer's conversion (output_fit.py), chosen on dev32
 # (benchmarks/results/output_fit.md).
