@@ -14,7 +14,6 @@ no model forward. Writes benchmarks/results/rope_energy.{json,md}.
 from __future__ import annotations
 
 import os
-import platform
 import time
 from dataclasses import replace
 
@@ -79,9 +78,9 @@ def report(rows: dict, machine: str) -> str:
 def main() -> int:
     start = time.perf_counter()
     rows = measure()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    machine = (f"CPU: {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC')}; "
+    from .retrieval_ladder import _cpu
+
+    machine = (f"CPU: {_cpu()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M UTC')}; "
                f"{time.perf_counter() - start:.0f} s.")
     save_json(RESULTS / f"{STEM}.json", {"rows": rows, "machine": machine})
     (RESULTS / f"{STEM}.md").write_text(report(rows, machine))

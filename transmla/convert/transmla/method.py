@@ -82,6 +82,10 @@ class TransMLAPlan:
     context: int = 512  # relative distances the logit criterion averages over
     max_fold: int = 8  # largest F tried by "logit"
 
+    def __post_init__(self) -> None:
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -157,8 +161,6 @@ class RopeChoice:
 def _rope_choice(src: SourceAttention, m: LayerMoments, plan: TransMLAPlan, fold: int) -> RopeChoice:
     geo = src.geometry
     g, d = geo.num_kv_heads, geo.head_dim
-    if plan.rotation not in ROTATIONS:
-        raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {plan.rotation!r}")
     rot = rorope(pair_second_moment(m.key, g, d, hermitian=plan.rotation == "unitary"), g, d, fold)
     num_pairs = plan.rope_dim // 2
     scores = None
