@@ -10,7 +10,8 @@ A run is one model: `source` (the built-in, dequantized once from its Q4_K_M GGU
 safetensors), `lossless`, or `METHOD-B` (transmla / mha2mla at B = 0.5, 0.25, 0.125 of the KV
 cache; TransMLA runs pass `--per-layer-rope`, the native shape these rows were measured in; `METHOD-B-nofit`
 adds `--fit-steps 0`; `METHOD-B-shared` passes `--shared-rope` instead, the DeepSeek-exportable rope, and also evaluates its
-DeepSeek export without attention biases, as vLLM and SGLang would serve it). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
+DeepSeek export without attention biases, as vLLM and SGLang would serve it; `METHOD-B-cli` passes no rope flag: the
+conversion exactly as the CLI's defaults of the day make it, exportable since they became so). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
 M [--kv-budget B]` with the CLI defaults (but the rope flag above), under `/usr/bin/time -v` (peak RSS, wall time), one
 process at a time, with the machine's load average before and after. Each converted model
 generates greedily through its latent cache (absorbed) and through the expanded path (the texts
@@ -66,7 +67,7 @@ def convert(run: str) -> tuple[Path, dict | None]:
     args = [str(TRANSMLA), "convert", MODEL, str(out), "--method", method, "--force"]
     if budget:
         args += ["--kv-budget", budget]
-    if method == "transmla":  # the rows' native shape is per-layer rope; "-shared" the exportable one
+    if method == "transmla" and shape != "cli":  # the rows' native shape is per-layer rope; "-shared" the exportable one
         args += ["--shared-rope" if shape == "shared" else "--per-layer-rope"]
     if shape == "nofit":  # today's calibration without the output-aware fit
         args += ["--fit-steps", "0"]

@@ -181,10 +181,10 @@ def calibrated_layers(
             for k, ((h_all, h_pos), (cos_sin, mask)) in enumerate(zip(streams, views)):
                 if k == 2:  # corrected: the fit's converted stream, through the fitted layer (the original's are past)
                     x = torch.cat([layer.input_layernorm(h_all[s : s + batch_size]) for s in range(0, h_all.shape[0], batch_size)])
-                    z = torch.cat([b for _, b in seen])  # [N', T', D] the original model's attention output
-                    seen.clear()
                     with torch.inference_mode(False):
-                        converted = fit_layer(i, converted, x.clone(), z.clone(), _masked_attention(layer, cos_sin, h_pos))
+                        z = torch.cat([b for _, b in seen])  # [N', T', D] the original model's attention output
+                        seen.clear()
+                        converted = fit_layer(i, converted, x.clone(), z, _masked_attention(layer, cos_sin, h_pos))
                     del x, z
                     layer.self_attn = mla_attention(config, converted, device, i)
                 # with original propagation the fit's x and z are what the source layer's attention reads and
@@ -201,10 +201,11 @@ def calibrated_layers(
                 if hook is not None:
                     hook.remove()
             if seen:
-                x, z = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])  # [N', T', D] each
-                del seen
-                with torch.inference_mode(False):
-                    converted = fit_layer(i, converted, x.clone(), z.clone(), _masked_attention(layer, views[1][0], streams[1][1]))
+                with torch.inference_mode(False):  # concatenated outside inference mode: tensors the fit may use, no clone
+                    x, z = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])  # [N', T', D] each
+                    del seen
+                    converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1]))
+                    del x, z
             yield converted
             del layer
 
