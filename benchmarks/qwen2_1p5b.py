@@ -268,9 +268,13 @@ def report(results: dict) -> str:
         for name, label in (("kept", "biases kept"), ("k_dropped", "key bias zeroed"), ("qk_dropped", "query and key biases zeroed"),
                             ("qkv_dropped", "query, key and value biases zeroed")):
             lines.append(f"| {label} | {k[name]['wiki']:.2f} | {k[name]['lee']:.2f} |")
-    m = next(iter(results.values()), {}).get("machine", {})
-    lines += ["", f"Machine: {m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}; "
-              "the lossless and MHA2MLA conversions and every evaluation shared the CPU with other jobs.", ""]
+    cpus: dict[str, list[str]] = {}  # the CPU each row ran on
+    for e in rows:
+        m = e.get("machine", {})
+        cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(e["run"])
+    lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items())
+              + ". The lossless and MHA2MLA conversions and every evaluation before transmla-0.25-cli shared the CPU with "
+              "other jobs; transmla-0.25-cli ran alone (2 threads).", ""]
     return "\n".join(lines)
 
 
