@@ -126,7 +126,7 @@ def calibrated_layers(
     fit_layer: Callable[[int, MLALayer, torch.Tensor, torch.Tensor], MLALayer] | None = None,
     pair_norms: bool = False,
     device: str = "cpu",
-    batch_size: int = 8,
+    batch_tokens: int | None = None,
     progress: bool = True,
 ) -> Iterator[MLALayer]:
     """Calibrate and convert layer by layer; yields each converted layer in order.
@@ -142,6 +142,7 @@ def calibrated_layers(
     calibration tokens), z the source attention's output on x and attend(x, mask) the source attention
     under another mask (output_fit.py). It runs outside
     inference mode (it may train), on float32 copies.
+    batch_tokens: tokens per forward pass of a stream (whole sequences, at least one; default BATCH_TOKENS).
     """
     if propagate not in PROPAGATIONS:
         raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
@@ -159,13 +160,15 @@ def calibrated_layers(
         for token_ids in [calib_ids] + [fit_ids] * fit_streams:  # calibration, fit (original), fit (converted)
             token_ids = token_ids.to(device)
             position_ids = torch.arange(token_ids.shape[1], device=device)[None]
-            streams.append((F.embedding(token_ids, embed) * embed_scale.to(device), position_ids))
+            streams.append((F.embedding(token_ids, embed).mul_(embed_scale.to(device)), position_ids))  # in place: one copy
         del embed
+        batch_tokens = batch_tokens or BATCH_TOKENS
         hidden = streams[0][0]  # the statistics' stream
         for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
             layer = _load_decoder_layer(reader, config, i, device)
             src = read_source_attention(reader, config, i)
             acc = _StatsAccumulator(src, pair_norms, device)
+            batch_size = _sequences(hidden, batch_tokens)
             for start in range(0, hidden.shape[0], batch_size):
                 acc.add(layer.input_layernorm(hidden[start : start + batch_size]))
             stats = acc.result()
@@ -173,41 +176,81 @@ def calibrated_layers(
             converted = convert_layer(i, src, stats)
             views = [(_rope_cos_sin(config, i, h.shape[1], device), _layer_mask(config, i, h.shape[1], device)) for h, _ in streams]
             if fit_layer is not None and propagate == "converted":  # the source attention's io before it is replaced
-                x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1], batch_size)
+                x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1], _sequences(streams[1][0], batch_tokens))
                 with torch.inference_mode(False):
-                    converted = fit_layer(i, converted, x.clone(), z.clone(), _masked_attention(layer, views[1][0], streams[1][1]))
+                    converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1]))
+                del x, z
                 layer.self_attn = mla_attention(config, converted, device, i)
-            seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+            fit_x = fit_z = None  # the fit's x and z [N', T', D], filled batch by batch while the fit stream passes
             for k, ((h_all, h_pos), (cos_sin, mask)) in enumerate(zip(streams, views)):
+                batch_size = _sequences(h_all, batch_tokens)
                 if k == 2:  # corrected: the fit's converted stream, through the fitted layer (the original's are past)
-                    x = torch.cat([layer.input_layernorm(h_all[s : s + batch_size]) for s in range(0, h_all.shape[0], batch_size)])
+                    x = _filled(h_all, batch_size, lambda s: layer.input_layernorm(h_all[s : s + batch_size]))
                     with torch.inference_mode(False):
-                        z = torch.cat([b for _, b in seen])  # [N', T', D] the original model's attention output
-                        seen.clear()
-                        converted = fit_layer(i, converted, x.clone(), z, _masked_attention(layer, cos_sin, h_pos))
-                    del x, z
+                        converted = fit_layer(i, converted, x, fit_z, _masked_attention(layer, cos_sin, h_pos))
+                    del x
+                    fit_z = None
                     layer.self_attn = mla_attention(config, converted, device, i)
                 # with original propagation the fit's x and z are what the source layer's attention reads and
                 # writes while the fit stream passes: kept, not computed again (corrected: z only)
                 keep = fit_layer is not None and propagate in ("original", "corrected") and k == 1
-                hook = layer.self_attn.register_forward_hook(
-                    lambda m, args, kwargs, out: seen.append((kwargs["hidden_states"] if propagate == "original" else None, out[0])),
-                    with_kwargs=True
-                ) if keep else None
+                hook = None
+                if keep:
+                    fit_z = _buffer(h_all)
+                    fit_x = _buffer(h_all) if propagate == "original" else None
+                    hook = layer.self_attn.register_forward_hook(_writer(fit_x, fit_z), with_kwargs=True)
                 for start in range(0, h_all.shape[0], batch_size):
                     h = h_all[start : start + batch_size]
                     out = layer(h, attention_mask=mask, position_ids=h_pos, position_embeddings=cos_sin)
                     h_all[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
                 if hook is not None:
                     hook.remove()
-            if seen:
-                with torch.inference_mode(False):  # concatenated outside inference mode: tensors the fit may use, no clone
-                    x, z = torch.cat([a for a, _ in seen]), torch.cat([b for _, b in seen])  # [N', T', D] each
-                    del seen
-                    converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1]))
-                    del x, z
+            if fit_x is not None:
+                with torch.inference_mode(False):
+                    converted = fit_layer(i, converted, fit_x, fit_z, _masked_attention(layer, views[1][0], streams[1][1]))
+                del fit_x, fit_z
             yield converted
             del layer
+
+
+# Tokens per forward pass of a stream through a layer: the MLP's intermediates of a pass ([n, I] each, a few
+# alive at once) are the largest transients of the calibration (Qwen2.5-1.5B's I = 8960: 300 MB each at 8192).
+BATCH_TOKENS = 2048
+
+
+def _sequences(hidden: torch.Tensor, batch_tokens: int) -> int:
+    """Sequences of hidden [N, T, D] per forward pass: batch_tokens // T, at least one."""
+    return max(1, batch_tokens // hidden.shape[1])
+
+
+def _buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped like `like`, made outside inference mode: the fit may train on it. Filled in
+    place while the stream passes, it holds the fit's sequences once, not as batches and their concatenation."""
+    with torch.inference_mode(False):
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _writer(x: torch.Tensor | None, z: torch.Tensor):
+    """A forward hook (with kwargs) on a source attention that copies its input hidden states into x (unless
+    None) and its output into z, batch after batch, from row 0."""
+    row = [0]
+
+    def hook(module, args, kwargs, out):
+        start, stop = row[0], row[0] + out[0].shape[0]
+        if x is not None:
+            x[start:stop].copy_(kwargs["hidden_states"])
+        z[start:stop].copy_(out[0])
+        row[0] = stop
+
+    return hook
+
+
+def _filled(like: torch.Tensor, batch_size: int, batch) -> torch.Tensor:
+    """A _buffer shaped like `like`, filled with batch(start) [b, ...] for start = 0, batch_size, ..."""
+    out = _buffer(like)
+    for start in range(0, like.shape[0], batch_size):
+        out[start : start + batch_size].copy_(batch(start))
+    return out
 
 
 def _masked_attention(layer, cos_sin, position_ids):
@@ -219,16 +262,16 @@ def _masked_attention(layer, cos_sin, position_ids):
 
 
 def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D]."""
-    x = torch.cat([layer.input_layernorm(hidden[s : s + batch_size]) for s in range(0, hidden.shape[0], batch_size)])
-    z = torch.cat([layer.self_attn(x[s : s + batch_size], position_embeddings=cos_sin, attention_mask=mask,
-                                   position_ids=position_ids)[0] for s in range(0, x.shape[0], batch_size)])
+    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D] (_buffer's)."""
+    x = _filled(hidden, batch_size, lambda s: layer.input_layernorm(hidden[s : s + batch_size]))
+    z = _filled(x, batch_size, lambda s: layer.self_attn(x[s : s + batch_size], position_embeddings=cos_sin,
+                                                          attention_mask=mask, position_ids=position_ids)[0])
     return x, z
 
 
 def collect_layer_stats(
     source_dir: Path, config, calib_ids: torch.Tensor, *, pair_norms: bool = False, device: str = "cpu",
-    batch_size: int = 8, progress: bool = True,
+    progress: bool = True,
 ) -> list[LayerStats]:
     """Every layer's statistics under "original" propagation (small: (D+1)^2 per layer)."""
     stats: list[LayerStats] = []
@@ -240,7 +283,7 @@ def collect_layer_stats(
         return replicate(src)
 
     for _ in calibrated_layers(
-        source_dir, config, calib_ids, keep, pair_norms=pair_norms, device=device, batch_size=batch_size, progress=progress
+        source_dir, config, calib_ids, keep, pair_norms=pair_norms, device=device, progress=progress
     ):
         pass
     return stats
