@@ -164,8 +164,18 @@ def far_targets(source_attention, x: torch.Tensor, far: int, window: int, batch:
     """The source attention's far-only output (far_mask) at positions far + 1 .. T - 1: [N, T - far - 1, D]."""
     T = x.shape[1]
     mask = far_mask(T, far, window, x.device)[None, None]  # [1, 1, T, T]
+    out = x.new_empty(x.shape[0], T - far - 1, x.shape[2])  # filled batch by batch: no list and concatenation
     with torch.no_grad():
-        return torch.cat([source_attention(x[s : s + batch], mask)[:, far + 1 :] for s in range(0, x.shape[0], batch)])
+        for s in range(0, x.shape[0], batch):
+            out[s : s + batch] = source_attention(x[s : s + batch], mask)[:, far + 1 :]
+    return out
+
+
+def mean_square(t: torch.Tensor) -> torch.Tensor:
+    """mean(t^2) (float32, summed in float64) one slice of t's first dimension at a time: no squared copy of
+    all of t (a fit's z is hundreds of MB on a 1.5B model)."""
+    total = sum(float(part.double().pow(2).sum()) for part in t)
+    return torch.tensor(total / t.numel(), dtype=t.dtype, device=t.device)
 
 
 def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None):
@@ -256,12 +266,12 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
     opt = torch.optim.Adam(groups)
     scheduled = settings.schedule != "constant" or settings.warmup
     gen = torch.Generator().manual_seed(settings.seed)
-    scale = z.pow(2).mean()
+    scale = mean_square(z)
     if z_far is not None:
         T, far = x.shape[1], settings.far
         far_at = torch.arange(far + 1, T, device=x.device)  # [T - far - 1] scored query positions
         far_seen = far_mask(T, far, attn.config.window(attn.layer_idx), x.device)[far + 1 :]  # [T - far - 1, T]
-        far_scale = z_far.pow(2).mean()
+        far_scale = mean_square(z_far)
     losses: list[float] = []
     check_at = max(2 * DIVERGENCE_WINDOW, settings.steps // 4) if check else 0
     with torch.enable_grad():
