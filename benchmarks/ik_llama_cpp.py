@@ -185,6 +185,10 @@ def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1
     return read(src) / read(ours)
 
 
+# --engine ik-patched: ik built with tools/ik_llama_cpp/parallel-flash-attention.patch (`make ik-llama-cpp-patched`)
+PATCHED_DIR = Path.home() / ".cache" / "transmla" / "ik_llama.cpp-0.1.5-patched"
+
+
 def runs(p: dict[str, Path], engine: str) -> list[tuple[str, Path, int, bool]]:
     """(label, GGUF, -mla, -fa) of the source and of the conversion in each MLA mode."""
     if engine == "mainline":  # `source` and `conversion` rows, as the ratios pair them
@@ -202,6 +206,8 @@ def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], ca
 
     if engine == "mainline" and phase != "decode":
         raise SystemExit("--engine mainline runs the decode phase only (benchmarks/gguf_llama_cpp.py has the rest)")
+    if engine == "ik-patched":
+        os.environ[IK.env] = str(PATCHED_DIR)
     llama_cpp_tool("llama-bench", MAINLINE if engine == "mainline" else IK)  # fail early when the build is missing
     for name in names:
         p = paths(work, name)
@@ -313,8 +319,10 @@ def phase_report() -> None:
         lines.append("")
     if "parallel" in data:
         lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
-                  "| model | run | KV | threads | depth | sequences | CPU | decode tokens/s | vs source | ideal (bytes) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "ik-patched: ik with tools/ik_llama_cpp/parallel-flash-attention.patch (`make ik-llama-cpp-patched`), "
+                  "the smallest change that lets its CPU flash attention run several sequences.", "",
+                  "| engine | model | run | KV | threads | depth | sequences | CPU | decode tokens/s | vs source | ideal (bytes) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data["parallel"].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
@@ -324,7 +332,7 @@ def phase_report() -> None:
                 for row in rows:
                     cpu = cpu_of(entry, row)
                     if "error" in row:
-                        lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {cpu} | failed: {row['error']} | | |")
+                        lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {cpu} | failed: {row['error']} | | |")
                         continue
                     ratio = best = ""
                     src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]), None)
@@ -332,7 +340,7 @@ def phase_report() -> None:
                         same = cpu_of(src, src_row) == cpu
                         ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x" if same else "other CPU"
                         best = f"{ideal(src['gguf'], entry['gguf'], int(depth), cache_type, row['sequences']):.2f}x"
-                    lines.append(f"| {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | {cpu} | "
+                    lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | {cpu} | "
                                  f"{row['decode_tps']:.1f} | {ratio} | {best} |")
         lines.append("")
     if "memory" in data:
@@ -366,7 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TRANSMLA_CACHE", Path.home() / ".cache" / "transmla")) / "bench-ik")
     ap.add_argument("--phase", choices=["export", "decode", "parallel", "prompt", "memory", "report"], required=True)
     ap.add_argument("--models", default="smollm2-50", help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--engine", choices=["ik", "mainline"], default="ik", help="mainline: the same shapes in llama.cpp (`--format gguf`)")
+    ap.add_argument("--engine", choices=["ik", "ik-patched", "mainline"], default="ik",
+                    help="mainline: the same shapes in llama.cpp (`--format gguf`); ik-patched: ik with the parallel "
+                         "flash-attention fix (`make ik-llama-cpp-patched`)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--cache-types", default="f16", help="KV cache types, e.g. f16,q8_0")
     ap.add_argument("--depths", default="4096,16384,32768", help="decode: depths; parallel: prompt per sequence (4096,16384)")

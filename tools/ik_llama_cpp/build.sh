@@ -6,6 +6,11 @@
 # -DIK_LLAMA_CPP: ik's llama.h differs a little from mainline's). The sdist lacks
 # common/cmake/build-info-gen-cpp.cmake, so common/build-info.cpp is written here from its template first.
 #
+#
+# IK_PATCHES (optional): names of patches in this folder applied to the source before the build, e.g.
+# "parallel-flash-attention" (`make ik-llama-cpp-patched`: ik with that fix, built into a folder of its own
+# for the benchmark rows that measure it; the plain build stays the engine as its users get it).
+#
 #   tools/ik_llama_cpp/build.sh [DIR]   (DIR defaults to $IK_LLAMA_CPP_DIR or ~/.cache/transmla/ik_llama.cpp-0.1.5)
 set -eu
 VERSION=0.1.5
@@ -31,6 +36,11 @@ if [ $built = yes ]; then
 fi
 mkdir -p "$DIR"
 PYTHON=$PY "$HERE/../vendored_source.sh" ik-llama-cpp-python "$VERSION" vendor/ik_llama.cpp "$DIR"
+: >"$DIR/transmla-patches"
+for patch in ${IK_PATCHES:-}; do
+    patch -d "$SRC" -p1 --forward <"$HERE/$patch.patch" >/dev/null
+    echo "$patch" >>"$DIR/transmla-patches"  # read by transmla.bench.llama_cpp.applied_patches
+done
 sed -e 's/@BUILD_NUMBER@/0/' -e "s/@BUILD_COMMIT@/ik-llama-cpp-python-$VERSION/" \
     -e "s/@BUILD_COMPILER@/$(${CXX:-g++} --version | head -1 | tr -d '"')/" -e 's/@BUILD_TARGET@/native/' \
     "$SRC/common/build-info.cpp.in" >"$SRC/common/build-info.cpp"

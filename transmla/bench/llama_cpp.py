@@ -39,6 +39,13 @@ def llama_cpp_dir(build: LlamaBuild = MAINLINE) -> Path:
     return Path(os.environ.get(build.env, default))
 
 
+def applied_patches(build: LlamaBuild = IK) -> set[str]:
+    """The names of the patches its build script applied to that build's source (tools/ik_llama_cpp/build.sh's
+    IK_PATCHES, listed in <dir>/transmla-patches); empty for the engine as its users get it."""
+    listed = llama_cpp_dir(build) / "transmla-patches"
+    return set(listed.read_text().split()) if listed.is_file() else set()
+
+
 def llama_cpp_tool(name: str, build: LlamaBuild = MAINLINE) -> Path:
     path = llama_cpp_dir(build) / "build" / "bin" / name
     if not path.is_file():
