@@ -77,6 +77,21 @@ so flash rows that do run are not the same computation). The smallest fix: take 
 row of the q step (tools/ik_llama_cpp/parallel-flash-attention.patch, checked: with it both run right). Failed rows are recorded as such; `source no-fa` (-fa 0) and the conversion's -mla 1 -fa 0
 run, and the conversion's GEMM rows are compared with `source no-fa`.
 
+The patched engine (`make ik-llama-cpp-patched`, `--engine ik-patched`; 2026-11-28, AMD EPYC with AVX2, two threads,
+nothing else running, load 1.2-2.0 from the benchmark itself; `--phase parallel --depths 4096 --parallel 4` for the
+conversion and the source without flash attention, 4 and 8 for the source with it): flash attention runs with several
+sequences, and is correct (tests/test_export_gguf_ik.py's parallel test passes on that build), but slow: the source
+decodes 4 / 8 sequences at 7.2 / 6.1 tokens/s with flash attention against 16.6 (4) without it; the conversion in
+-mla 1 -fa 1 at 11.2 (1.55x the source's flash row) and in the GEMM mode at 19.2, **1.16x the source's fastest mode
+(no flash, 16.6)**, 0.82 of the bytes ideal (1.42x). Why flash is slow there, from ik's code: the MLA fast paths of
+iqk_flash_attn.cpp (one K row read for all heads; the K range cut to the cells the query sees) all require one query
+token (neq1 == 1); with S tokens the generic path runs every head on its own over every cached cell of all S
+sequences (masked), as the GEMM mode does. The smallest change that would make parallel MLA decode pay its bytes:
+when neq1 > 1 and the MLA conditions hold (one KV head, neq3 == 1), run the one-token path once per token, each over
+its own mask row's visible range (the range cut ik already does for one token). Not written here. 8 sequences of
+the conversion and 16K depths were not run (a 4 x 4K run takes 5-12 min of prompts here; 8 x 4K about four times
+that).
+
 What parallel decode without flash attention measures (4K, one thread: the conversion at 0.77x / 0.66x the
 source with 4 / 8 sequences, where bytes alone would give 1.42x / 1.62x): ik's cache is one pool of cells,
 and without flash attention each step multiplies every sequence's query by every filled cell (other
