@@ -6,7 +6,6 @@
 # -DIK_LLAMA_CPP: ik's llama.h differs a little from mainline's). The sdist lacks
 # common/cmake/build-info-gen-cpp.cmake, so common/build-info.cpp is written here from its template first.
 #
-#
 # IK_PATCHES (optional): names of patches in this folder applied to the source before the build, e.g.
 # "parallel-flash-attention" (`make ik-llama-cpp-patched`: ik with that fix, built into a folder of its own
 # for the benchmark rows that measure it; the plain build stays the engine as its users get it).
@@ -37,8 +36,9 @@ fi
 mkdir -p "$DIR"
 PYTHON=$PY "$HERE/../vendored_source.sh" ik-llama-cpp-python "$VERSION" vendor/ik_llama.cpp "$DIR"
 : >"$DIR/transmla-patches"
-for patch in ${IK_PATCHES:-}; do
-    patch -d "$SRC" -p1 --forward <"$HERE/$patch.patch" >/dev/null
+for patch in ${IK_PATCHES:-}; do  # applied once: a rerun after a failed build finds the source patched
+    patch -d "$SRC" -p1 -R -s -f --dry-run <"$HERE/$patch.patch" >/dev/null 2>&1 ||
+        patch -d "$SRC" -p1 -s --forward <"$HERE/$patch.patch"
     echo "$patch" >>"$DIR/transmla-patches"  # read by transmla.bench.llama_cpp.applied_patches
 done
 sed -e 's/@BUILD_NUMBER@/0/' -e "s/@BUILD_COMMIT@/ik-llama-cpp-python-$VERSION/" \
