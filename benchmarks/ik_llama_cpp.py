@@ -79,18 +79,22 @@ run, and the conversion's GEMM rows are compared with `source no-fa`.
 
 The patched engine (`make ik-llama-cpp-patched`, `--engine ik-patched`; 2026-11-28, AMD EPYC with AVX2, two threads,
 nothing else running, load 1.2-2.0 from the benchmark itself; `--phase parallel --depths 4096 --parallel 4` for the
-conversion and the source without flash attention, 4 and 8 for the source with it): flash attention runs with several
-sequences, and is correct (tests/test_export_gguf_ik.py's parallel test passes on that build), but slow: the source
-decodes 4 / 8 sequences at 7.2 / 6.1 tokens/s with flash attention against 16.6 (4) without it; the conversion in
--mla 1 -fa 1 at 11.2 (1.55x the source's flash row) and in the GEMM mode at 19.2, **1.16x the source's fastest mode
-(no flash, 16.6)**, 0.82 of the bytes ideal (1.42x). Why flash is slow there, from ik's code: the MLA fast paths of
-iqk_flash_attn.cpp (one K row read for all heads; the K range cut to the cells the query sees) all require one query
-token (neq1 == 1); with S tokens the generic path runs every head on its own over every cached cell of all S
-sequences (masked), as the GEMM mode does. The smallest change that would make parallel MLA decode pay its bytes:
-when neq1 > 1 and the MLA conditions hold (one KV head, neq3 == 1), run the one-token path once per token, each over
-its own mask row's visible range (the range cut ik already does for one token). Not written here. 8 sequences of
-the conversion and 16K depths were not run (a 4 x 4K run takes 5-12 min of prompts here; 8 x 4K about four times
-that).
+conversion and the source without flash attention, 4 and 8 for the source with it). With the first fix alone
+(parallel-flash-attention.patch) flash attention runs with several sequences and is correct (tests/test_export_gguf_ik.py's
+parallel test passes on that build) but slow: the source decodes 4 / 8 sequences at 7.2 / 6.1 tokens/s with flash
+attention against 16.6 (4) without it; the conversion in -mla 1 -fa 1 at 11.2, and in the GEMM mode at 19.2, **1.16x
+the source's fastest mode (no flash, 16.6)**, 0.82 of the bytes ideal (1.42x). Why flash is slow there, from ik's code:
+the MLA fast paths of iqk_flash_attn.cpp (one K row read for all heads; the K range cut to the cells the query sees)
+all require one query token (neq1 == 1); with S tokens the generic path runs every head on its own over every cached
+cell of all S sequences. The second fix (parallel-mla-decode.patch, iqk_flash_attn.cpp only: with one KV head and 2-16
+query tokens, the one-token path once per token over its own mask row, a barrier between tokens; the work buffer sized
+for one token) takes the conversion's flash decode from 11.2 to **13.9** tokens/s (the parallel test passes: 41 of 41
+on that build): still below the GEMM mode, because the cut keeps every cell from a sequence's first to its last
+visible one, and the generated tokens of all sequences sit at the end of the pool, so the first sequence still scans
+every cell (on average about 60% of them at 4 x 4K). What would make it pay its bytes: skip, inside the kernel's block
+loop (iqk_fa_templates.h compute_helper), the K blocks no row of the step sees (exact: their scores are all -inf);
+not written (it recompiles every fa kernel). Not run: 8 sequences for the conversion, 16K, the 1.5B (prompts alone
+take 5-12 min for 4 x 4K on this CPU, about four times that for 8).
 
 What parallel decode without flash attention measures (4K, one thread: the conversion at 0.77x / 0.66x the
 source with 4 / 8 sequences, where bytes alone would give 1.42x / 1.62x): ik's cache is one pool of cells,
@@ -200,7 +204,8 @@ def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1
     return read(src) / read(ours)
 
 
-# --engine ik-patched: ik built with tools/ik_llama_cpp/parallel-flash-attention.patch (`make ik-llama-cpp-patched`)
+# --engine ik-patched: ik built with tools/ik_llama_cpp/parallel-flash-attention.patch and parallel-mla-decode.patch
+# (`make ik-llama-cpp-patched`)
 PATCHED_DIR = Path.home() / ".cache" / "transmla" / "ik_llama.cpp-0.1.5-patched"
 
 
@@ -334,8 +339,9 @@ def phase_report() -> None:
         lines.append("")
     if "parallel" in data:
         lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
-                  "ik-patched: ik with tools/ik_llama_cpp/parallel-flash-attention.patch (`make ik-llama-cpp-patched`), "
-                  "the smallest change that lets its CPU flash attention run several sequences.", "",
+                  "ik-patched: ik with tools/ik_llama_cpp/parallel-flash-attention.patch (its CPU flash attention with "
+                  "several sequences: correct) and parallel-mla-decode.patch (its one-token MLA paths once per token there), "
+                  "`make ik-llama-cpp-patched`; `first fix only`: the first patch alone.", "",
                   "| engine | model | run | KV | threads | depth | sequences | CPU | decode tokens/s | vs source | ideal (bytes) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data["parallel"].items()):
@@ -391,7 +397,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="smollm2-50", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--engine", choices=["ik", "ik-patched", "mainline"], default="ik",
                     help="mainline: the same shapes in llama.cpp (`--format gguf`); ik-patched: ik with the parallel "
-                         "flash-attention fix (`make ik-llama-cpp-patched`)")
+                         "flash-attention fixes (`make ik-llama-cpp-patched`)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--cache-types", default="f16", help="KV cache types, e.g. f16,q8_0")
     ap.add_argument("--depths", default="4096,16384,32768", help="decode: depths; parallel: prompt per sequence (4096,16384)")
