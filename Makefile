@@ -45,11 +45,12 @@ ik-llama-cpp: setup
 	PYTHON=$(PY) tools/ik_llama_cpp/build.sh
 
 # ik_llama.cpp with its CPU flash attention fixed for several sequences in a batch
-# (tools/ik_llama_cpp/parallel-flash-attention.patch) and its one-token MLA paths run per token there
-# (parallel-mla-decode.patch), in a folder of its own, for `benchmarks.ik_llama_cpp --engine ik-patched`.
-# Not part of `make test`: the tests run ik as its users get it.
+# (tools/ik_llama_cpp/parallel-flash-attention.patch), its one-token MLA paths run per token there
+# (parallel-mla-decode.patch) and the K blocks no query row sees skipped (parallel-mla-skip-blocks.patch), in a
+# folder of its own, for `benchmarks.ik_llama_cpp --engine ik-patched`. Not part of `make test`: the tests run
+# ik as its users get it.
 ik-llama-cpp-patched: setup
-	PYTHON=$(PY) IK_PATCHES="parallel-flash-attention parallel-mla-decode" IK_LLAMA_CPP_DIR=$(HOME)/.cache/transmla/ik_llama.cpp-0.1.5-patched \
+	PYTHON=$(PY) IK_PATCHES="parallel-flash-attention parallel-mla-decode parallel-mla-skip-blocks" IK_LLAMA_CPP_DIR=$(HOME)/.cache/transmla/ik_llama.cpp-0.1.5-patched \
 		tools/ik_llama_cpp/build.sh
 
 # The second built-in model, qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB over

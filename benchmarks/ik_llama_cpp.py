@@ -91,9 +91,12 @@ query tokens, the one-token path once per token over its own mask row, a barrier
 for one token) takes the conversion's flash decode from 11.2 to **13.9** tokens/s (the parallel test passes: 41 of 41
 on that build): still below the GEMM mode, because the cut keeps every cell from a sequence's first to its last
 visible one, and the generated tokens of all sequences sit at the end of the pool, so the first sequence still scans
-every cell (on average about 60% of them at 4 x 4K). What would make it pay its bytes: skip, inside the kernel's block
-loop (iqk_fa_templates.h compute_helper), the K blocks no row of the step sees (exact: their scores are all -inf);
-not written (it recompiles every fa kernel). Not run: 8 sequences for the conversion, 16K, the 1.5B (prompts alone
+every cell (on average about 60% of them at 4 x 4K). The third fix (parallel-mla-skip-blocks.patch, compute_helper in
+iqk_fa_templates.h: skip the K blocks whose mask is -inf for every row of the step; exact) gives 14.3 tokens/s (prompts
+43.9 against 41.8): no gain beyond one run's noise, so the blocks' products are not what bounds it. What does is not
+found yet: one sequence decodes at 4K at 39.8 tokens/s here (0.025 s a step), 4 sequences at 14.3 in all (0.28 s a
+step, 11x for 4 tokens), and the source and the GEMM mode grow the same way (0.24 and 0.21 s a step); per-op timing
+of ik's graph at 4 x 4K is the next measurement. Not run: 8 sequences for the conversion, 16K, the 1.5B (prompts alone
 take 5-12 min for 4 x 4K on this CPU, about four times that for 8).
 
 What parallel decode without flash attention measures (4K, one thread: the conversion at 0.77x / 0.66x the
@@ -204,8 +207,8 @@ def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1
     return read(src) / read(ours)
 
 
-# --engine ik-patched: ik built with tools/ik_llama_cpp/parallel-flash-attention.patch and parallel-mla-decode.patch
-# (`make ik-llama-cpp-patched`)
+# --engine ik-patched: ik built with tools/ik_llama_cpp/parallel-flash-attention.patch, parallel-mla-decode.patch and
+# parallel-mla-skip-blocks.patch (`make ik-llama-cpp-patched`)
 PATCHED_DIR = Path.home() / ".cache" / "transmla" / "ik_llama.cpp-0.1.5-patched"
 
 
@@ -340,8 +343,9 @@ def phase_report() -> None:
     if "parallel" in data:
         lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
                   "ik-patched: ik with tools/ik_llama_cpp/parallel-flash-attention.patch (its CPU flash attention with "
-                  "several sequences: correct) and parallel-mla-decode.patch (its one-token MLA paths once per token there), "
-                  "`make ik-llama-cpp-patched`; `first fix only`: the first patch alone.", "",
+                  "several sequences: correct), parallel-mla-decode.patch (its one-token MLA paths once per token there) and "
+                  "parallel-mla-skip-blocks.patch (K blocks no row sees skipped), `make ik-llama-cpp-patched`; `first fix "
+                  "only` / `first two fixes`: builds with the first one / two.", "",
                   "| engine | model | run | KV | threads | depth | sequences | CPU | decode tokens/s | vs source | ideal (bytes) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data["parallel"].items()):
