@@ -33,6 +33,11 @@ from ..mla.window import sliding_window
 
 
 
+# Tokens per forward pass of a stream through a layer: the MLP's intermediates of a pass ([n, I] each, a few
+# alive at once) are the largest transients of the calibration (Qwen2.5-1.5B's I = 8960: 300 MB each at 8192).
+BATCH_TOKENS = 2048
+
+
 @dataclass
 class LayerStats:
     gram: torch.Tensor  # [D+1, D+1] float64, mean over tokens of x_a x_a^T (of [u; 1] for QK-norm)
@@ -126,7 +131,7 @@ def calibrated_layers(
     fit_layer: Callable[[int, MLALayer, torch.Tensor, torch.Tensor], MLALayer] | None = None,
     pair_norms: bool = False,
     device: str = "cpu",
-    batch_tokens: int | None = None,
+    batch_tokens: int = BATCH_TOKENS,
     progress: bool = True,
 ) -> Iterator[MLALayer]:
     """Calibrate and convert layer by layer; yields each converted layer in order.
@@ -142,7 +147,7 @@ def calibrated_layers(
     calibration tokens), z the source attention's output on x and attend(x, mask) the source attention
     under another mask (output_fit.py). It runs outside
     inference mode (it may train), on float32 copies.
-    batch_tokens: tokens per forward pass of a stream (whole sequences, at least one; default BATCH_TOKENS).
+    batch_tokens: tokens per forward pass of a stream (whole sequences, at least one).
     """
     if propagate not in PROPAGATIONS:
         raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
@@ -162,7 +167,6 @@ def calibrated_layers(
             position_ids = torch.arange(token_ids.shape[1], device=device)[None]
             streams.append((F.embedding(token_ids, embed).mul_(embed_scale.to(device)), position_ids))  # in place: one copy
         del embed
-        batch_tokens = batch_tokens or BATCH_TOKENS
         hidden = streams[0][0]  # the statistics' stream
         for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
             layer = _load_decoder_layer(reader, config, i, device)
@@ -211,11 +215,6 @@ def calibrated_layers(
                 del fit_x, fit_z
             yield converted
             del layer
-
-
-# Tokens per forward pass of a stream through a layer: the MLP's intermediates of a pass ([n, I] each, a few
-# alive at once) are the largest transients of the calibration (Qwen2.5-1.5B's I = 8960: 300 MB each at 8192).
-BATCH_TOKENS = 2048
 
 
 def _sequences(hidden: torch.Tensor, batch_tokens: int) -> int:
