@@ -486,7 +486,7 @@ def test_distill_lowers_kl_of_a_lossy_conversion(tiny, tmp_path):
 
     out = tmp_path / "lossy"
     model = {"source": str(tiny / "src"), "convert": {"method": "mha2mla", "kv_budget": 0.25}}
-    data = _recipe(tiny, out, train={"steps": 20, "objective": "distill"}, optimizer={"lr": 3e-3}, eval={"data": None})
+    data = _recipe(tiny, out, train={"steps": 40, "objective": "distill"}, optimizer={"lr": 3e-3}, eval={"data": None})
     run_finetune(parse_recipe(data | {"model": model}), progress=False)
 
     docs = document_token_ids(AutoTokenizer.from_pretrained(tiny / "src"), load_documents(str(tiny / "eval.txt")))
@@ -500,7 +500,7 @@ def test_distill_lowers_kl_of_a_lossy_conversion(tiny, tmp_path):
         return float(kl_sum) / int((batch["labels"] != IGNORE).sum())
 
     before, after = kl(out / "converted"), kl(out / "model")
-    assert after < 0.85 * before, (before, after)  # measured: 0.0020 -> 0.0014 nats per token
+    assert after < 0.85 * before, (before, after)  # measured: 0.0021 -> 0.0011 nats per token (20 steps: 0.0018, too near)
     assert _logged(out, "kl")[-1] < _logged(out, "kl")[0]
 
 
