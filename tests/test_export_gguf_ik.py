@@ -26,7 +26,7 @@ import torch
 import transformers
 from test_export_gguf import TOKENS, converted, relative_error, tiny_deepseek
 
-from transmla.bench.llama_cpp import IK, applied_patches, ik_kv_cache_report, ik_memory, llama_logits
+from transmla.bench.llama_cpp import IK, applied_patches, ik_batched_bench, ik_kv_cache_report, ik_memory, llama_logits, op_timing
 from transmla.export.engines import IK_FLASH_WIDTHS
 from transmla.export.errors import ExportError
 from transmla.export.gguf import IK as IK_GGUF
@@ -284,3 +284,29 @@ def test_ik_memory_fails_plainly_on_a_file_ik_cannot_load(tmp_path):
     bad.write_bytes(b"not a gguf file")
     with pytest.raises(RuntimeError, match="printed no weights buffer size"):
         ik_memory(bad, 1024)
+
+
+def test_ik_batched_bench_records_each_sequence_count(exported):
+    """benchmarks.ik_llama_cpp --phase parallel: one real llama-batched-bench run per sequence count, each record
+    with that count, its prompt and decode lengths, the cells they filled and how the build lays the prompts out;
+    decode_ops only from a build with op-timing.patch."""
+    result, _, _ = exported("r64-c128")
+    rows = ik_batched_bench(result.path, 64, 4, [1, 2], threads=1, mla=1, flash_attn=False, cache_type="f16")
+    patches = applied_patches(IK)
+    assert [r["sequences"] for r in rows] == [1, 2]
+    for r in rows:
+        assert (r["depth"], r["n_gen"], r["n_kv"]) == (64, 4, r["sequences"] * 68)
+        assert r["decode_tps"] > 0 and r["prompt_tps"] > 0
+        assert r["prompt_layout"] == ("contiguous" if "contiguous-prompts" in patches else "interleaved")
+        assert ("decode_ops" in r) == ("op-timing" in patches)
+
+
+def test_op_timing_reads_the_patch_report():
+    log = ("noise\ntransmla-op-timing: 33 decode graphs, 1000.0 us each\n"
+           "transmla-op-timing: FLASH_ATTN_EXT:kqv_compressed          600.0 us/graph      990 nodes\n"
+           "transmla-op-timing: MUL_MAT:q                               390.0 us/graph     1980 nodes\n"
+           "transmla-op-timing: ROPE:q_rope                               6.0 us/graph      990 nodes\n"
+           "transmla-op-timing: CPY:cache_k_l9 (view) (copy of kvr-9)     4.0 us/graph       33 nodes\n")
+    assert op_timing(log) == {"graphs": 33, "step_us": 1000.0,
+                              "ops": {"FLASH_ATTN_EXT:kqv_compressed": 600.0, "MUL_MAT:q": 390.0, "other": 10.0}}
+    assert op_timing("no report") == {}

@@ -238,13 +238,43 @@ def ik_batched_bench(gguf_path: str | Path, depth: int, n_gen: int, parallel: li
                      flash_attn: bool = True, cache_type: str = "f16") -> list[dict]:
     """ik_llama.cpp's llama-batched-bench: `parallel` sequences, each with its own prompt of `depth`
     tokens, then n_gen tokens each decoded together; one record per sequence count (S_TG: decode tokens/s
-    summed over the sequences)."""
-    n_ctx = max(parallel) * (depth + n_gen)
-    with tempfile.TemporaryDirectory() as tmp:  # it writes llama.log into its working directory
-        proc = _run([llama_cpp_tool("llama-batched-bench", IK), "-m", Path(gguf_path).resolve(), "-c", n_ctx, "-b", 2048,
-                     "-ub", 512, "-npp", depth, "-ntg", n_gen, "-npl", ",".join(map(str, parallel)), "-t", threads,
-                     "-mla", mla, "-fa", int(flash_attn), "-ctk", cache_type, "-ctv", cache_type], cwd=tmp)
-    return [{"depth": int(pp), "n_gen": int(tg), "sequences": int(b), "n_kv": int(kv), "prompt_s": float(t_pp),
-             "prompt_tps": float(s_pp), "decode_s": float(t_tg), "decode_tps": float(s_tg), "mla_attn": mla,
-             "flash_attn": flash_attn}
-            for pp, tg, b, kv, t_pp, s_pp, t_tg, s_tg in _BATCHED_ROW.findall(proc.stdout + proc.stderr)]
+    summed over the sequences), one run each. prompt_layout: how the build lays out the prompts' cells
+    ("interleaved" position by position across the sequences, as ik ships it; "contiguous" one sequence after
+    another, as llama-server does: contiguous-prompts.patch). On a build with op-timing.patch each record also
+    has decode_ops: thread 0's microseconds per decode step by graph node name (`op_timing`)."""
+    patches = applied_patches(IK)
+    env = os.environ | {"TRANSMLA_OP_TIMING": "1"} if "op-timing" in patches else None
+    records = []
+    for sequences in parallel:
+        with tempfile.TemporaryDirectory() as tmp:  # it writes llama.log into its working directory
+            proc = _run([llama_cpp_tool("llama-batched-bench", IK), "-m", Path(gguf_path).resolve(),
+                         "-c", sequences * (depth + n_gen), "-b", 2048, "-ub", 512, "-npp", depth, "-ntg", n_gen,
+                         "-npl", sequences, "-t", threads, "-mla", mla, "-fa", int(flash_attn), "-ctk", cache_type,
+                         "-ctv", cache_type], cwd=tmp, env=env)
+        ops = op_timing(proc.stderr) if env else {}
+        records += [{"depth": int(pp), "n_gen": int(tg), "sequences": int(b), "n_kv": int(kv), "prompt_s": float(t_pp),
+                     "prompt_tps": float(s_pp), "decode_s": float(t_tg), "decode_tps": float(s_tg), "mla_attn": mla,
+                     "flash_attn": flash_attn,
+                     "prompt_layout": "contiguous" if "contiguous-prompts" in patches else "interleaved"}
+                    | ({"decode_ops": ops} if ops else {})
+                    for pp, tg, b, kv, t_pp, s_pp, t_tg, s_tg in _BATCHED_ROW.findall(proc.stdout + proc.stderr)]
+    return records
+
+
+_OP_GRAPHS = re.compile(r"^transmla-op-timing: (\d+) decode graphs, ([\d.]+) us each$", re.M)
+_OP_ROW = re.compile(r"^transmla-op-timing: (.+?)\s+([\d.]+) us/graph\s+\d+ nodes$", re.M)
+
+
+def op_timing(log: str) -> dict:
+    """op-timing.patch's report (TRANSMLA_OP_TIMING=1): {"graphs": n, "step_us": mean microseconds per decode
+    step, "ops": {"OP:name": microseconds per step}} over the graphs of at most 16 tokens, the names' layer
+    suffix dropped; nodes under 1% of a step are summed as "other"."""
+    head = _OP_GRAPHS.search(log)
+    if head is None:
+        return {}
+    step = float(head.group(2))
+    ops: dict[str, float] = {}
+    for name, us in _OP_ROW.findall(log):
+        key = name if float(us) >= 0.01 * step else "other"
+        ops[key] = round(ops.get(key, 0.0) + float(us), 1)
+    return {"graphs": int(head.group(1)), "step_us": step, "ops": ops}
