@@ -345,9 +345,12 @@ def phase_report() -> None:
                   "ik-patched: ik with tools/ik_llama_cpp/parallel-flash-attention.patch (its CPU flash attention with "
                   "several sequences: correct), parallel-mla-decode.patch (its one-token MLA paths once per token there) and "
                   "parallel-mla-skip-blocks.patch (K blocks no row sees skipped), `make ik-llama-cpp-patched`; `first fix "
-                  "only` / `first two fixes`: builds with the first one / two.", "",
-                  "| engine | model | run | KV | threads | depth | sequences | CPU | decode tokens/s | vs source | ideal (bytes) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "only` / `first two fixes`: builds with the first one / two. prompts: how the prompts' cells lie in ik's "
+                  "pool (interleaved: position by position across the sequences, as ik's batched-bench ships; contiguous: "
+                  "one sequence after another, as llama-server lays out its slots: contiguous-prompts.patch); rows are "
+                  "compared with the source's of the same layout.", "",
+                  "| engine | model | run | KV | threads | depth | sequences | prompts | CPU | decode tokens/s | vs source | ideal (bytes) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data["parallel"].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
@@ -356,16 +359,18 @@ def phase_report() -> None:
             for depth, rows in entry["rows"].items():
                 for row in rows:
                     cpu = cpu_of(entry, row)
+                    layout = row.get("prompt_layout", "interleaved")
                     if "error" in row:
-                        lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {cpu} | failed: {row['error']} | | |")
+                        lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {layout} | {cpu} | failed: {row['error']} | | |")
                         continue
                     ratio = best = ""
-                    src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]), None)
+                    src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]
+                                    and r.get("prompt_layout", "interleaved") == layout), None)
                     if src_row and not label.startswith("source"):
                         same = cpu_of(src, src_row) == cpu
                         ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x" if same else "other CPU"
                         best = f"{ideal(src['gguf'], entry['gguf'], int(depth), cache_type, row['sequences']):.2f}x"
-                    lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | {cpu} | "
+                    lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | {layout} | {cpu} | "
                                  f"{row['decode_tps']:.1f} | {ratio} | {best} |")
         lines.append("")
     if "memory" in data:

@@ -186,6 +186,14 @@ weight 2, layers 15-24). Against rope-64+fit-repeat2-far256-mid-w2 (the CLI's 50
 its dev recall nll is 1.238 or lower (w2's plus 10% of its gap to the source) with accuracy 50% or more, its key
 NLL 0.350 or lower with 21 or more exact, and its dev32 27.48 or lower (+1%); then the 50% test tables
 (benchmarks/passkey, wiki-test 32) are rerun for it.
+
+cli-25-unitary+fit+distill (issue 34; session of 2026-11-28 night, written before measuring): does end-to-end
+distillation bring back the recall the per-layer fit cannot? The CLI's 25% conversion as written (unitary
+rotation; out/passkey/transmla-25-shared, the cli-25-unitary+fit settings: keys 0.935 / 18, dev32 42.89, dev
+recall 30% / 2.102; source 58% / 0.964) with its MLA projections distilled from the source, 120 steps of 1024
+wiki calibration tokens (the long distill recipe's settings, model.path that folder). Healing is named as the
+way to recall at length (README; a 50% run next) only if its dev recall nll is 1.818 or lower (25% of the gap
+to the source closed) with accuracy 35% or more (5 points up), and its key NLL not above 0.935.
 """
 
 from __future__ import annotations
@@ -353,6 +361,11 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-25-unitary+fit": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                             "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {"rotation": "unitary"},
                            "cli-25-unitary with the CLI's 25% fit (cli-25+fit-rel200-q256's)"),
+    "cli-25-unitary+fit+distill": ({"kv_budget": 0.25, "saved": "out/exp/ft-heal25u/model", "timing": "convert/0.25-shared",
+                                    "trained_by": "out/exp/heal25u.log"}, {"rotation": "unitary"},
+                                   "the CLI's 25% conversion as written (out/passkey/transmla-25-shared) healed: its MLA "
+                                   "projections distilled from the source, 120 steps of 1024 wiki tokens (the long distill "
+                                   "recipe's settings; seconds: conversion + training)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
