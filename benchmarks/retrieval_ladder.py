@@ -744,7 +744,19 @@ earlier layers' error is large enough that fitting each layer to undo it pays; o
 fitting every layer to the source's output from the converted input loses on perplexity, keys and recall alike
 (its attention-output error against that target, 0.506 -> 0.200 over the fit, is not comparable with the default's,
 whose target is the source layer on its own input); why it differs by family is not separated. Corrected propagation stays an option (`--propagate corrected`), stated as better for Gemma 3 at 25%
-in the README."""
+in the README.
+
+cli-25-unitary+fit+distill (issue 34; session of 2026-11-28 night; its rule is above, written before it ran). The
+CLI's 25% conversion healed end to end (`transmla finetune recipes/smollm2_cpu_heal.yaml --set
+model.path=out/passkey/transmla-25-shared`; 120 steps of 1024 wiki tokens, fp32 on the AVX2 EPYC, one core, about
+20 tokens/s: 84 min wall including about 30 min stopped while the test suite ran; peak RSS 5.6 GB with the
+teacher): wiki-eval perplexity 33.53 -> 25.94 and dev32 42.89 -> 33.41 (-22%), but keys 1.014 / 14 against the
+unhealed 0.935 / 18, and dev recall 27% / 1.944 against 30% / 2.102 (the nll 14% of the gap closer, the accuracy 3
+points lower). It fails every part of its rule (recall nll 1.818 or lower, 35% or more, keys 0.935 or lower):
+distillation on plain text heals perplexity, not retrieval, so it is not the way back to recall at length, and the
+README does not offer it as one. What plain text weighs (the next token, mostly from near context) is what the
+per-layer fit already weighs; a healing set built for copying far back (the fit's repeated spans, key-value
+lists) is the untried next step."""
 
 
 def report(results: dict) -> str:
