@@ -99,6 +99,28 @@ step, 11x for 4 tokens), and the source and the GEMM mode grow the same way (0.2
 of ik's graph at 4 x 4K is the next measurement. Not run: 8 sequences for the conversion, 16K, the 1.5B (prompts alone
 take 5-12 min for 4 x 4K on this CPU, about four times that for 8).
 
+What bounded it (2026-11-29, found with op-timing.patch: thread 0's time per graph node by name over decode
+steps, `TRANSMLA_OP_TIMING=1`, recorded per row as decode_ops): ik's llama-batched-bench adds the prompts position by
+position across the sequences, so their cells interleave (cell i holds sequence i mod S) and no K block belongs to
+one sequence: skip-blocks skipped 0 of 539,520 blocks at 4 x 1K (counted in the kernel), and the first-to-last cut
+kept every cell. llama-server lays each slot's prompt out in a run of cells of its own; contiguous-prompts.patch
+makes batched-bench do the same (prompt_layout "contiguous" in the rows; the rows before it are "interleaved").
+Rule, written before the 4 x 4K runs: compare each conversion row with the source's fastest mode in the same build
+and layout, against the bytes ideal. Measured (AMD EPYC with AVX2, one thread pinned, the other core training or
+measuring; `--engine ik-patched --phase parallel --threads 1 --depths 4096 --parallel 4`): the conversion's flash
+decode (-mla 1 -fa 1) **23.1 tokens/s**, its GEMM mode 8.7, the source 7.3 with flash attention and 9.5 without:
+**2.43x the source's fastest mode** (bytes ideal 1.42x). Per decode step (ms): the conversion's flash attention
+127 of 170 (4 tokens at about one 4K sequence's cost each: the other sequences' blocks skipped); the source's flash
+attention 494 of 530 (its GQA path keeps all 4 tokens' rows in one q step, so no block is unseen by all of them);
+without flash, K*Q 266, softmax 55 and V 54 of 409 (the source), 228 + 59 + 97 of 444 (the GEMM mode): S x S*L
+products. So with ik's parallel decode the source is bound by that compute in both modes, and the conversion only
+where its flash path runs once per token (parallel-mla-decode.patch, one KV head only). The same per-token path for
+GQA heads would lift the source's flash row too: tried (fa_per_token for any KV head count), not kept, as its
+results could not be checked here (q8_0 weights differ by 2% between any two batch shapes on synthetic tokens).
+Prompts in that layout: the source 104 tokens/s with flash, 33.9 without; the conversion 63.9 with flash (0.61x;
+the issue asks 0.83x), 22.2 in the GEMM mode. On the unpatched ik the source's flash rows abort with several
+sequences; there the conversion's GEMM mode is the one that runs (README).
+
 What parallel decode without flash attention measures (4K, one thread: the conversion at 0.77x / 0.66x the
 source with 4 / 8 sequences, where bytes alone would give 1.42x / 1.62x): ik's cache is one pool of cells,
 and without flash attention each step multiplies every sequence's query by every filled cell (other
@@ -144,11 +166,19 @@ def record(update: dict) -> None:
             old = data.setdefault(phase, {}).get(key, {})
             if "rows" in entry and old.get("rows"):
                 provenance = {k: old[k] for k in ("machine", "load_before", "load_after") if k in old}
-                kept = {rk: row for rk, row in old["rows"].items() if rk not in entry["rows"]}
-                for row in kept.values():
-                    for r in row if isinstance(row, list) else [row]:
-                        r.setdefault("measured", provenance)
-                entry = entry | {"rows": kept | entry["rows"]}
+                new_rows = dict(entry["rows"])
+                for rk, row in old["rows"].items():
+                    if isinstance(row, list) and rk in new_rows:  # parallel: rows of other sequence counts stay
+                        counts = {r.get("sequences") for r in new_rows[rk]}
+                        others = [r for r in row if r.get("sequences") not in counts]
+                        for r in others:
+                            r.setdefault("measured", provenance)
+                        new_rows[rk] = sorted(others + new_rows[rk], key=lambda r: r.get("sequences") or 0)
+                    elif rk not in new_rows:
+                        for r in row if isinstance(row, list) else [row]:
+                            r.setdefault("measured", provenance)
+                        new_rows[rk] = row
+                entry = entry | {"rows": new_rows}
             data[phase][key] = entry
     save_json(OUT_JSON, data, indent=2, newline=True)
 
