@@ -240,8 +240,8 @@ def ideal(src: dict, ours: dict, depth: int, cache_type: str, sequences: int = 1
     return read(src) / read(ours)
 
 
-# --engine ik-patched: ik built with tools/ik_llama_cpp/parallel-flash-attention.patch, parallel-mla-decode.patch and
-# parallel-mla-skip-blocks.patch (`make ik-llama-cpp-patched`)
+# --engine ik-patched: ik built with the patches `make ik-llama-cpp-patched` applies (its IK_PATCHES, listed by the
+# build in <dir>/transmla-patches)
 PATCHED_DIR = Path.home() / ".cache" / "transmla" / "ik_llama.cpp-0.1.5-patched"
 
 
@@ -375,10 +375,10 @@ def phase_report() -> None:
         lines.append("")
     if "parallel" in data:
         lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
-                  "ik-patched: ik with tools/ik_llama_cpp/parallel-flash-attention.patch (its CPU flash attention with "
-                  "several sequences: correct), parallel-mla-decode.patch (its one-token MLA paths once per token there) and "
-                  "parallel-mla-skip-blocks.patch (K blocks no row sees skipped), `make ik-llama-cpp-patched`; `first fix "
-                  "only` / `first two fixes`: builds with the first one / two. prompts: how the prompts' cells lie in ik's "
+                  "ik-patched: ik with the patches of `make ik-llama-cpp-patched` (tools/ik_llama_cpp: parallel-flash-attention, "
+                  "its CPU flash attention with several sequences, correct; parallel-mla-decode, its one-token MLA paths once "
+                  "per token there; parallel-mla-skip-blocks, K blocks no row sees skipped; contiguous-prompts; op-timing); "
+                  "`first fix only` / `first two fixes`: builds with the first one / two. prompts: how the prompts' cells lie in ik's "
                   "pool (interleaved: position by position across the sequences, as ik's batched-bench ships; contiguous: "
                   "one sequence after another, as llama-server lays out its slots: contiguous-prompts.patch); rows are "
                   "compared with the source's of the same layout.", "",

@@ -248,7 +248,7 @@ def test_ik_parallel_decode_equals_one_sequence(exported, mode, prompt):
     """Two sequences with their own prompts decoded together give each one's own logits (a server with
     parallel slots): the GEMM path does (2e-7 measured); flash MLA does not (a fault of ik, xfail). With
     compute_helper's bound taken over every row of the q step (the patch, in `make ik-llama-cpp-patched`
-    with two more; IK_LLAMA_CPP_DIR=~/.cache/transmla/ik_llama.cpp-0.1.5-patched runs this test on it, where it
+    with four more; IK_LLAMA_CPP_DIR=~/.cache/transmla/ik_llama.cpp-0.1.5-patched runs this test on it, where it
     passes), flash MLA gives 2.1e-7 (prompt 64) and 2.5e-4 (prompt 128: f16 rounding of another kernel path),
     so the bound here is TOL, far below the fault's 2.6e-2."""
     result, _, _ = exported("r64-c128")

@@ -7,9 +7,9 @@
 # common/cmake/build-info-gen-cpp.cmake, so common/build-info.cpp is written here from its template first.
 #
 # IK_PATCHES (optional): names of patches in this folder applied to the source before the build, e.g.
-# "parallel-flash-attention parallel-mla-decode parallel-mla-skip-blocks" (applied in that order; `make
-# ik-llama-cpp-patched`: ik with those fixes, built into a folder of its own for the benchmark rows that measure
-# them; the plain build stays the engine as its users get it).
+# "parallel-flash-attention parallel-mla-decode" (applied in that order; `make ik-llama-cpp-patched` names the
+# whole list: ik with those changes, built into a folder of its own for the benchmark rows that measure them; the
+# plain build stays the engine as its users get it).
 #
 #   tools/ik_llama_cpp/build.sh [DIR]   (DIR defaults to $IK_LLAMA_CPP_DIR or ~/.cache/transmla/ik_llama.cpp-0.1.5)
 set -eu
