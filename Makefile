@@ -49,10 +49,11 @@ ik-llama-cpp: setup
 # (parallel-mla-decode.patch) and the K blocks no query row sees skipped (parallel-mla-skip-blocks.patch); its
 # llama-batched-bench laying out each sequence's prompt in cells of its own, as llama-server does
 # (contiguous-prompts.patch), and thread 0's time per graph node summed by name when TRANSMLA_OP_TIMING=1
-# (op-timing.patch); in a folder of its own, for `benchmarks.ik_llama_cpp --engine ik-patched`. Not part of
+# (op-timing.patch), and its deepseek2 loader taking a plain attn_q whenever q_lora_rank is 0 (plain-query.patch:
+# `transmla export --format gguf-ik --plain-query`); in a folder of its own, for `benchmarks.ik_llama_cpp --engine ik-patched`. Not part of
 # `make test`: the tests run ik as its users get it.
 ik-llama-cpp-patched: setup
-	PYTHON=$(PY) IK_PATCHES="parallel-flash-attention parallel-mla-decode parallel-mla-skip-blocks contiguous-prompts op-timing" IK_LLAMA_CPP_DIR=$(HOME)/.cache/transmla/ik_llama.cpp-0.1.5-patched \
+	PYTHON=$(PY) IK_PATCHES="parallel-flash-attention parallel-mla-decode parallel-mla-skip-blocks contiguous-prompts op-timing plain-query" IK_LLAMA_CPP_DIR=$(HOME)/.cache/transmla/ik_llama.cpp-0.1.5-patched \
 		tools/ik_llama_cpp/build.sh
 
 # The second built-in model, qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB over

@@ -189,7 +189,8 @@ def record(update: dict) -> None:
 def paths(work: Path, name: str) -> dict[str, Path]:
     source = MODELS[name][0]
     return {"source": work / f"{source}-q8_0.gguf", "native": work / name, "ik": work / f"{name}-ik-q8_0.gguf",
-            "ik-padv": work / f"{name}-ik-padv-q8_0.gguf", "mainline": work / f"{name}-q8_0.gguf"}
+            "ik-padv": work / f"{name}-ik-padv-q8_0.gguf", "ik-plainq": work / f"{name}-ik-plainq-q8_0.gguf",
+            "mainline": work / f"{name}-q8_0.gguf"}
 
 
 def phase_export(work: Path, names: list[str]) -> None:
@@ -211,9 +212,13 @@ def phase_export(work: Path, names: list[str]) -> None:
             log(f"converting {name}")
             subprocess.run([TRANSMLA, "convert", source, p["native"], "--method", "transmla", "-R", str(d_c), "-r", str(d_r),
                             "--shared-rope", "--calib-samples", "256", "--fit-steps", "0", "--force"], check=True)
-        for fmt, key, extra in (("gguf-ik", "ik", []), ("gguf-ik", "ik-padv", ["--pad-value"]), ("gguf", "mainline", [])):
+        for fmt, key, extra in (("gguf-ik", "ik", []), ("gguf-ik", "ik-padv", ["--pad-value"]),
+                                ("gguf-ik", "ik-plainq", ["--plain-query"]), ("gguf", "mainline", [])):
             if not p[key].exists():
-                subprocess.run([TRANSMLA, "export", p["native"], p[key], "--format", fmt, "--type", "q8_0", *extra], check=True)
+                # Qwen2's q/k/v biases have no place in deepseek2: dropped (lossy; these files are for speed rows only)
+                biases = ["--drop-biases"] if source.startswith("qwen") else []
+                subprocess.run([TRANSMLA, "export", p["native"], p[key], "--format", fmt, "--type", "q8_0", *extra, *biases],
+                               check=True)
 
 
 def gguf_facts(path: Path) -> dict:
@@ -252,7 +257,9 @@ def runs(p: dict[str, Path], engine: str) -> list[tuple[str, Path, int, bool]]:
     return ([("source", p["source"], 0, True), ("source no-fa", p["source"], 0, False)]
             + [(f"conversion {m}", p["ik"], *MODES[m]) for m in MODES]
             # --pad-value (values zero-padded to the key's width): only -mla 3's prompts read the padded heads
-            + [("conversion flash-mla padded-value", p["ik-padv"], *MODES["flash-mla"])])
+            + [("conversion flash-mla padded-value", p["ik-padv"], *MODES["flash-mla"])]
+            # --plain-query (one attn_q, no full-rank q_a): loads only in ik with plain-query.patch
+            + ([(f"conversion {m} plain-query", p["ik-plainq"], *MODES[m]) for m in MODES] if engine == "ik-patched" else []))
 
 
 def phase_bench(work: Path, names: list[str], phase: str, threads: list[int], cache_types: list[str], engine: str,
@@ -358,7 +365,7 @@ def phase_report() -> None:
         for key, entry in sorted(data[phase].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data[phase].get(f"{engine}|{name}|source|{cache_type}|{t}")
-            if label in ("conversion gemm", "source no-fa"):  # against the source without flash attention
+            if label.startswith("conversion gemm") or label == "source no-fa":  # against the source without flash attention
                 src = data[phase].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
             for row_key, row in entry["rows"].items():
                 tps = statistics.median(row["samples_ts"])
@@ -387,7 +394,7 @@ def phase_report() -> None:
         for key, entry in sorted(data["parallel"].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
-            if label in ("conversion gemm", "source no-fa"):
+            if label.startswith("conversion gemm") or label == "source no-fa":
                 src = data["parallel"].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
             for depth, rows in entry["rows"].items():
                 for row in rows:

@@ -23,13 +23,17 @@ TINY_DEEPSEEK = dict(
     max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
+# Qwen2's pre-tokenizer split (its tokenizer.json): contractions of any case, one token per digit
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
 TOKENS = [5, 77, 299, 13, 42, 100, 7, 256, 1, 64, 33, 150, 200, 9, 18, 240]
 
 
-def save_byte_level_tokenizer(path, vocab_size: int = 300, split_digits: bool = False) -> None:
-    """A byte-level BPE tokenizer (GPT-2 style, as SmolLM2's) with at most `vocab_size` tokens;
-    split_digits: one token per digit first (the Hub's SmolLM2 tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def save_byte_level_tokenizer(path, vocab_size: int = 300, pre: str = "gpt-2") -> None:
+    """A byte-level BPE tokenizer (GPT-2 style, as SmolLM2's) with at most `vocab_size` tokens; pre: the
+    pre-tokenizer in front of it after training, as llama.cpp names them: gpt-2 (none), smollm (one token per
+    digit first: the Hub's SmolLM2 tokenizer) or qwen2 (Qwen2's split regex, the byte level without its own)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -38,8 +42,12 @@ def save_byte_level_tokenizer(path, vocab_size: int = 300, split_digits: bool = 
         vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(["the cat sat on the mat, 12 cats sat on 345 mats."] * 50, trainer)
-    if split_digits:  # after training, so merges of digits exist and the split changes the ids
+    # after training, so merges of digits exist and the split changes the ids
+    if pre == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
+    elif pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     assert tok.get_vocab_size() <= vocab_size
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
 
@@ -130,10 +138,10 @@ def test_unrepresentable_models_are_refused_and_leave_nothing(tmp_path, override
     assert list(tmp_path.glob("ds.gguf*")) == []
 
 
-@pytest.mark.parametrize(("split_digits", "pre"), [(False, "gpt-2"), (True, "smollm")])
-def test_llama_cpp_tokenizes_like_the_tokenizer_folder(tmp_path, split_digits, pre):
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "qwen2"])
+def test_llama_cpp_tokenizes_like_the_tokenizer_folder(tmp_path, pre):
     tiny_deepseek(tmp_path / "ds")
-    save_byte_level_tokenizer(tmp_path / "ds", split_digits=split_digits)
+    save_byte_level_tokenizer(tmp_path / "ds", pre=pre)
     result = export(tmp_path / "ds", tmp_path / "ds.gguf")
     assert result.tokenizer_pre == pre
     text = "The cat sat on 12345 mats.\n  Then it's  gone!  Ünïcode 3.14 -- 'RE you 2 sure?\t\t ok"

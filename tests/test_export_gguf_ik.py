@@ -30,6 +30,7 @@ from transmla.bench.llama_cpp import IK, applied_patches, ik_batched_bench, ik_k
 from transmla.export.engines import IK_FLASH_WIDTHS
 from transmla.export.errors import ExportError
 from transmla.export.gguf import IK as IK_GGUF
+from transmla.export.gguf import IK_PLAIN_QUERY
 from transmla.export.gguf import export_gguf, write_gguf
 
 # name -> (-mla, -fa, K,V cache types); flash-absorbed decodes as flash-mla but keeps prompts absorbed
@@ -144,6 +145,48 @@ def test_ik_llama_cpp_logits_equal_transformers(tmp_path, overrides):
     for mode, (mla_mode, flash, cache) in MODES.items():
         logits, _ = llama_logits(result.path, TOKENS, "decode", build=IK, mla=mla_mode, flash_attn=flash, cache_type=cache)
         assert relative_error(logits, ref) <= TOL, mode
+
+
+PLAIN_QUERY = "plain-query"  # tools/ik_llama_cpp/plain-query.patch
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ik_plain_query_loads_only_where_the_patch_is(tmp_path, mode):
+    """--plain-query: one attn_q matrix (q_lora_rank 0, no q_a path) at a layer count stock ik loads only
+    with q_a/q_b. ik built with plain-query.patch (`make ik-llama-cpp-patched`) gives our logits in every
+    MLA mode; the engine as its users get it refuses the file (a missing attn_q_a), which is why the
+    default writes the full-rank q_a path."""
+    family, overrides, options = CASES["r64-c128"]
+    native = converted(tmp_path, family, overrides, dict(method="transmla", shared_rope=True, fit_steps=0, **options))
+    result = export_gguf(native, tmp_path / "ik.gguf", progress=False, engine=IK_PLAIN_QUERY)
+    reader = gguf.GGUFReader(result.path)
+    names = {t.name for t in reader.tensors}
+    assert "blk.0.attn_q.weight" in names and "blk.0.attn_q_a.weight" not in names
+    assert int(reader.fields["deepseek2.attention.q_lora_rank"].parts[-1][0]) == 0
+    assert int(reader.fields["deepseek2.block_count"].parts[-1][0]) not in (26, 27)
+    mla_mode, flash, cache = MODES[mode]
+    if PLAIN_QUERY not in applied_patches(IK):
+        with pytest.raises(RuntimeError, match="attn_q_a"):
+            llama_logits(result.path, TOKENS, "decode", build=IK, mla=mla_mode, flash_attn=flash, cache_type=cache)
+        return
+    model = transformers.AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([TOKENS])).logits[0]
+    for run in ("prefill", "decode"):
+        logits, _ = llama_logits(result.path, TOKENS, run, build=IK, mla=mla_mode, flash_attn=flash, cache_type=cache)
+        assert relative_error(logits, ref) <= TOL, run
+
+
+def test_cli_plain_query_is_a_gguf_ik_option(cli, tmp_path):
+    native = converted(tmp_path, "llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True, fit_steps=0))
+    for fmt, out_path in (("gguf", tmp_path / "m.gguf"), ("deepseek", tmp_path / "ds")):
+        code, out, err = cli("export", native, out_path, "--format", fmt, "--plain-query")
+        assert code != 0 and "--plain-query applies to --format gguf-ik only" in err
+        assert len(err.strip().splitlines()) == 1 and not out_path.exists()
+    code, out, err = cli("export", native, tmp_path / "ik.gguf", "--format", "gguf-ik", "--plain-query", "--json")
+    assert code == 0, err
+    assert json.loads(out)["engine"] == IK_PLAIN_QUERY.name
+    assert "blk.0.attn_q.weight" in {t.name for t in gguf.GGUFReader(tmp_path / "ik.gguf").tensors}
 
 
 def test_ik_header_follows_its_loader(tmp_path):

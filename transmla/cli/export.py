@@ -25,12 +25,14 @@ def export(
     format: Annotated[str, Opt("--format", help=formats_help())] = "deepseek",
     gguf_type: Annotated[str, Opt("--type", help=f"gguf, gguf-ik: weight type, {' | '.join(GGUF_TYPES)} (norms stay f32; the scaled latent rows never q8_0).")] = "f32",
     tokenizer_pre: Annotated[str | None, Opt("--tokenizer-pre", help="gguf, gguf-ik: llama.cpp's pre-tokenizer name (tokenizer.ggml.pre), when it cannot be read from tokenizer.json.")] = None,
+    plain_query: Annotated[bool, Opt("--plain-query", help="gguf-ik: the query as one plain attn_q matrix, for ik_llama.cpp built with tools/ik_llama_cpp/plain-query.patch (`make ik-llama-cpp-patched`; stock ik loads a plain query only for 26/27-layer models and refuses the file). Without it a full-rank q_a + q_b path is written: exact, one hidden x hidden matrix more per layer read every step.")] = False,
     *,
     as_json: JsonFlag = False,
     settings: dict,
 ) -> None:
     """Export a converted model so stock engines run it without this package (no remote code)."""
-    summary = write_export(format, model, output, {**settings, "weight_type": gguf_type, "tokenizer_pre": tokenizer_pre})
+    summary = write_export(format, model, output, {**settings, "weight_type": gguf_type, "tokenizer_pre": tokenizer_pre,
+                                                    "plain_query": plain_query})
     emit(summary, as_json, "exported")
 
 

@@ -36,7 +36,9 @@ writes its conventions, `MAINLINE` llama.cpp's:
   latent-norm trick of the DeepSeek export (deepseek_layer.norm_trick_scale): the norm returns
   x / sqrt(1 + s^2 mean(x^2) / eps), a relative error <= 5e-10. A 26/27-layer model must have a
   plain q_proj (and a 48-layer one with a 128256 vocabulary is refused: its hparams skip
-  q_lora_rank while its tensor loader expects q_a).
+  q_lora_rank while its tensor loader expects q_a). `IK_PLAIN_QUERY` (`--plain-query`) writes a plain
+  attn_q instead, for ik built with tools/ik_llama_cpp/plain-query.patch (it loads one whenever
+  q_lora_rank is 0): one matrix less per layer, which stock ik refuses.
 - output.weight is required (tied embeddings are written untied), and so is expert_weights_scale
   (written 1.0; a dense model has no experts).
 
@@ -100,12 +102,16 @@ class GGUFEngine:
     whole_kv_b: bool  # attn_kv_b as well (ik), beside attn_k_b/attn_v_b (ik: as 2-D matrices)
     full_rank_q: bool  # a plain q_proj goes through attn_q_a/attn_q_a_norm/attn_q_b (ik, except 26/27 layers)
     untie: bool  # output.weight always written
+    lite_layers: tuple[int, ...] = ()  # layer counts its loader takes as DeepSeek-V2-Lite: a plain attn_q only
 
 
-MAINLINE = GGUFEngine("llama.cpp", heads_kv=False, whole_kv_b=False, full_rank_q=False, untie=False)
-IK = GGUFEngine("ik_llama.cpp", heads_kv=True, whole_kv_b=True, full_rank_q=True, untie=True)
-ENGINES = {e.name: e for e in (MAINLINE, IK)}
 IK_LITE_LAYERS = (26, 27)  # ik_llama.cpp loads these as DeepSeek-V2-Lite: a plain attn_q, no q_a
+MAINLINE = GGUFEngine("llama.cpp", heads_kv=False, whole_kv_b=False, full_rank_q=False, untie=False)
+IK = GGUFEngine("ik_llama.cpp", heads_kv=True, whole_kv_b=True, full_rank_q=True, untie=True, lite_layers=IK_LITE_LAYERS)
+# ik built with tools/ik_llama_cpp/plain-query.patch (`make ik-llama-cpp-patched`): q_lora_rank 0 loads a plain
+# attn_q at any layer count (`--plain-query`); stock ik refuses such a file unless it has 26 or 27 layers
+IK_PLAIN_QUERY = replace(IK, name="ik_llama.cpp (plain-query patch)", full_rank_q=False)
+ENGINES = {e.name: e for e in (MAINLINE, IK, IK_PLAIN_QUERY)}
 
 
 @dataclass(frozen=True)
@@ -185,16 +191,17 @@ def _for_engine(shape: DeepseekShape, engine: GGUFEngine) -> DeepseekShape:
     """The shape as `engine` reads it (tied embeddings untied, a full-rank q_a path), or its refusal."""
     if engine.untie:
         shape = replace(shape, tied_embeddings=False)
-    if not engine.full_rank_q:
+    if not engine.lite_layers:  # mainline reads q_lora_rank at every layer count
         return shape
-    lite = shape.num_layers in IK_LITE_LAYERS
+    lite = shape.num_layers in engine.lite_layers
     if lite and shape.q_lora_rank:
         raise ExportError(f"{engine.name} loads every {shape.num_layers}-layer deepseek2 as DeepSeek-V2-Lite, "
                           "with a plain query projection: a query low rank (q_lora_rank) cannot be written")
-    if shape.num_layers == 48 and shape.vocab_size == 128256:
+    if shape.num_layers == 48 and shape.vocab_size == 128256 and (shape.q_lora_rank or engine.full_rank_q):
         raise ExportError(f"{engine.name} reads no q_lora_rank for a 48-layer deepseek2 with a 128256-token "
-                          "vocabulary but loads its query as q_a/q_b: no query layout loads")
-    return replace(shape, full_rank_q=not lite and not shape.q_lora_rank)
+                          "vocabulary but loads its query as q_a/q_b: no query layout loads"
+                          + (" (a plain query does with --plain-query and ik's plain-query patch)" if engine.full_rank_q else ""))
+    return replace(shape, full_rank_q=engine.full_rank_q and not lite and not shape.q_lora_rank)
 
 
 def add_hparams(writer: gguf.GGUFWriter, shape: DeepseekShape, weight_type: str, name: str,

@@ -17,10 +17,15 @@ import gguf
 from .errors import ExportError
 
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+# Qwen2 (and Qwen2.5): its own split, then the byte level without GPT-2's regex
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
 # llama.cpp's tokenizer.ggml.pre name -> the tokenizer.json pre_tokenizer steps it implements.
 LLAMA_CPP_PRE_TOKENIZERS: dict[str, list[dict]] = {
     "gpt-2": [_BYTE_LEVEL],
     "smollm": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL],
+    "qwen2": [{"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+              {**_BYTE_LEVEL, "use_regex": False}],
 }
 _IRRELEVANT_KEYS = ("trim_offsets",)  # changes offsets only, never the ids
 

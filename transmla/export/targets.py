@@ -3,7 +3,7 @@ is registered (docs/USAGE.md, "Adding an engine export target").
 
 A target is a name, its part of --format's help, and `write(model, output, settings)`: `model` the
 command's MODEL argument (resolved by the target after its own settings are checked), `settings`
-every export flag by field name (ExportOptions' fields, weight_type, tokenizer_pre); it returns
+every export flag by field name (ExportOptions' fields, weight_type, tokenizer_pre, plain_query); it returns
 the summary `transmla export` prints (a table, or JSON with --json).
 """
 
@@ -27,6 +27,10 @@ class ExportTarget:
 
 def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
     from .deepseek import export_deepseek
+    from .errors import ExportError
+
+    if settings.get("plain_query"):
+        raise ExportError("--plain-query applies to --format gguf-ik only (a DeepSeek folder keeps the query as it is)")
 
     options = ExportOptions(**{f.name: settings[f.name] for f in fields(ExportOptions)})
     options.refuse_fp16()
@@ -47,19 +51,25 @@ def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[
 
 def _gguf_writer(engine_name: str, format_name: str) -> Callable[[str, Path, dict[str, Any]], dict[str, Any]]:
     """A GGUF target for one llama.cpp (export/gguf.py's MAINLINE or IK conventions). Of the export
-    settings only drop_biases, pad_value and force apply to a GGUF file."""
+    settings only drop_biases, pad_value, plain_query (ik: IK_PLAIN_QUERY) and force apply to a GGUF file."""
 
     def write(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
-        from .gguf import ENGINES, export_gguf
+        from .errors import ExportError
+        from .gguf import ENGINES, IK, IK_PLAIN_QUERY, export_gguf
 
+        engine = ENGINES[engine_name]
+        if settings.get("plain_query"):
+            if engine is not IK:
+                raise ExportError(f"--plain-query applies to --format gguf-ik only ({engine.name} reads a plain attn_q as it is)")
+            engine = IK_PLAIN_QUERY
         drop_biases = settings["drop_biases"]
         gguf = export_gguf(resolve_model_dir(model), output, settings["weight_type"], settings["tokenizer_pre"],
                            drop_biases=drop_biases, pad_value=settings["pad_value"], force=settings["force"],
-                           engine=ENGINES[engine_name])
+                           engine=engine)
         return {"output": str(gguf.path), "format": format_name, "type": gguf.weight_type,
                 "tokenizer_pre": gguf.tokenizer_pre, "kv_elements_per_token_per_layer": gguf.cache_elements,
                 "tensors": gguf.tensors, "bytes": gguf.bytes, "dropped_biases": drop_biases,
-                "padded_value": settings["pad_value"]}
+                "padded_value": settings["pad_value"], "engine": gguf.engine}
 
     return write
 
