@@ -47,12 +47,13 @@ SOURCE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidd
               tie_word_embeddings=True)
 
 
-def build_source(path: Path, tokenizer_dir: Path) -> None:
+def save_random(model_class: str, config, path: Path, tokenizer_dir: Path) -> None:
+    """A random fp32 model of transformers' `model_class` (seed 0, norm weights in [0.5, 1.5]) with SmolLM2's tokenizer."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SOURCE)).float().eval()
+    model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -62,9 +63,14 @@ def build_source(path: Path, tokenizer_dir: Path) -> None:
         shutil.copy(tokenizer_dir / f, path / f)
 
 
+def build_source(path: Path, tokenizer_dir: Path) -> None:
+    import transformers
+
+    save_random("LlamaForCausalLM", transformers.LlamaConfig(**SOURCE), path, tokenizer_dir)
+
+
 def build_stock(path: Path, tokenizer_dir: Path) -> None:
     """The control: a stock DeepseekV3 made by transformers' own class at the same widths (576 = 512 + 64)."""
-    import torch
     import transformers
 
     config = transformers.DeepseekV3Config(
@@ -73,15 +79,7 @@ def build_stock(path: Path, tokenizer_dir: Path) -> None:
         qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
         tie_word_embeddings=False, rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / f, path / f)
+    save_random("DeepseekV3ForCausalLM", config, path, tokenizer_dir)
 
 
 def prompt_ids(tokenizer_dir: Path, n: int) -> list[int]:
