@@ -360,16 +360,17 @@ def phase_report() -> None:
     for phase in ("decode", "prompt"):
         if phase not in data:
             continue
-        lines += [f"## {phase}", "", "| engine | model | run | KV | threads | row | CPU | tokens/s median | vs source | ideal (bytes) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {phase}", "", "| engine | model | run | KV | threads | row | CPU | tokens/s median | vs source | "
+                  "vs source's fastest mode | ideal (bytes) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data[phase].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data[phase].get(f"{engine}|{name}|source|{cache_type}|{t}")
             if label.startswith("conversion gemm") or label == "source no-fa":  # against the source without flash attention
                 src = data[phase].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
+            modes = [data[phase].get(f"{engine}|{name}|{s}|{cache_type}|{t}") for s in ("source", "source no-fa")]
             for row_key, row in entry["rows"].items():
                 tps = statistics.median(row["samples_ts"])
-                ratio = best = ""
+                ratio = best = fastest = ""
                 cpu = cpu_of(entry, row)
                 if src and not label.startswith("source") and row_key in src["rows"]:
                     if cpu_of(src, src["rows"][row_key]) != cpu:
@@ -378,40 +379,56 @@ def phase_report() -> None:
                         ratio = f"{tps / statistics.median(src['rows'][row_key]['samples_ts']):.2f}x"
                     if phase == "decode":
                         best = f"{ideal(src['gguf'], entry['gguf'], int(row_key), cache_type):.2f}x"
-                lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {row_key} | {cpu} | {tps:.1f} | {ratio} | {best} |")
+                    # the faster of the source's two modes, when both ran on this CPU
+                    rivals = [statistics.median(m["rows"][row_key]["samples_ts"]) for m in modes
+                              if m and row_key in m["rows"] and cpu_of(m, m["rows"][row_key]) == cpu]
+                    if len(rivals) == 2:
+                        fastest = f"{tps / max(rivals):.2f}x"
+                lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {row_key} | {cpu} | {tps:.1f} | {ratio} | "
+                             f"{fastest} | {best} |")
         lines.append("")
     if "parallel" in data:
         lines += ["## parallel decode (llama-batched-bench, S_TG)", "",
                   "ik-patched: ik with the patches of `make ik-llama-cpp-patched` (tools/ik_llama_cpp: parallel-flash-attention, "
                   "its CPU flash attention with several sequences, correct; parallel-mla-decode, its one-token MLA paths once "
-                  "per token there; parallel-mla-skip-blocks, K blocks no row sees skipped; contiguous-prompts; op-timing); "
+                  "per token there; parallel-mla-skip-blocks, K blocks no row sees skipped; contiguous-prompts; op-timing; "
+                  "plain-query, which loads the one attn_q of `export --plain-query`: the `plain-query` rows); "
                   "`first fix only` / `first two fixes`: builds with the first one / two. prompts: how the prompts' cells lie in ik's "
                   "pool (interleaved: position by position across the sequences, as ik's batched-bench ships; contiguous: "
                   "one sequence after another, as llama-server lays out its slots: contiguous-prompts.patch); rows are "
                   "compared with the source's of the same layout.", "",
-                  "| engine | model | run | KV | threads | depth | sequences | prompts | CPU | decode tokens/s | vs source | ideal (bytes) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| engine | model | run | KV | threads | depth | sequences | prompts | CPU | decode tokens/s | vs source | "
+                  "vs source's fastest mode | ideal (bytes) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in sorted(data["parallel"].items()):
             engine, name, label, cache_type, t = key.split("|")
             src = data["parallel"].get(f"{engine}|{name}|source|{cache_type}|{t}")
             if label.startswith("conversion gemm") or label == "source no-fa":
                 src = data["parallel"].get(f"{engine}|{name}|source no-fa|{cache_type}|{t}", src)
+            modes = [data["parallel"].get(f"{engine}|{name}|{s}|{cache_type}|{t}") for s in ("source", "source no-fa")]
+
+            def twin(run, row, depth):  # the same sequence count and prompt layout in another run
+                return next((r for r in (run or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]
+                             and r.get("prompt_layout", "interleaved") == row.get("prompt_layout", "interleaved")
+                             and "error" not in r), None)
+
             for depth, rows in entry["rows"].items():
                 for row in rows:
                     cpu = cpu_of(entry, row)
                     layout = row.get("prompt_layout", "interleaved")
                     if "error" in row:
-                        lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {layout} | {cpu} | failed: {row['error']} | | |")
+                        lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | - | {layout} | {cpu} | failed: {row['error']} | | | |")
                         continue
-                    ratio = best = ""
-                    src_row = next((r for r in (src or {}).get("rows", {}).get(depth, []) if r.get("sequences") == row["sequences"]
-                                    and r.get("prompt_layout", "interleaved") == layout), None)
+                    ratio = best = fastest = ""
+                    src_row = twin(src, row, depth)
                     if src_row and not label.startswith("source"):
                         same = cpu_of(src, src_row) == cpu
                         ratio = f"{row['decode_tps'] / src_row['decode_tps']:.2f}x" if same else "other CPU"
                         best = f"{ideal(src['gguf'], entry['gguf'], int(depth), cache_type, row['sequences']):.2f}x"
+                        rivals = [r["decode_tps"] for m in modes if (r := twin(m, row, depth)) and cpu_of(m, r) == cpu]
+                        if len(rivals) == 2:
+                            fastest = f"{row['decode_tps'] / max(rivals):.2f}x"
                     lines.append(f"| {engine} | {name} | {label} | {cache_type} | {t[1:]} | {depth} | {row['sequences']} | {layout} | {cpu} | "
-                                 f"{row['decode_tps']:.1f} | {ratio} | {best} |")
+                                 f"{row['decode_tps']:.1f} | {ratio} | {fastest} | {best} |")
         lines.append("")
     if "memory" in data:
         lines += ["## memory: the longest context in a RAM budget (peak RSS + reserved compute buffer)", "",
