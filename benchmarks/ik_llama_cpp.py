@@ -146,7 +146,11 @@ column), against the bytes ideal.
   (the issue's "within 1.2x" is 0.83x: met at 4K, 1% short at 512); -mla 3 0.78x / 0.78x; GEMM 0.76x / 0.81x. Unlike
   SmolLM2 (head 64: the conversion's prompt heads score 128-192 dimensions against the source's 64), the 1.5B's
   head is 128 wide, so its prompt attention costs (192 + 128) / (128 + 128) = 1.25x the source's, and its MLP
-  dominates prompts anyway.
+  dominates prompts anyway. With `--plain-query` on the patched build (`--engine ik-patched`): decode at 4K 4.8
+  tokens/s, **1.01x** the source's fastest mode of the stock build (its 4.7 without flash; bytes ideal 1.02x: the
+  132 MB q_a was what kept it under); prompts 22.3 / 21.4 against the patched build's own source row 29.1 / 24.7
+  (0.77x / 0.87x; that source row ran 8-22% faster than the stock build's: one repetition each under load 3, so
+  prompt ratios here move by about that much).
 
 What parallel decode without flash attention measures (4K, one thread: the conversion at 0.77x / 0.66x the
 source with 4 / 8 sequences, where bytes alone would give 1.42x / 1.62x): ik's cache is one pool of cells,
