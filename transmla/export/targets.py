@@ -27,10 +27,6 @@ class ExportTarget:
 
 def _write_deepseek(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
     from .deepseek import export_deepseek
-    from .errors import ExportError
-
-    if settings.get("plain_query"):
-        raise ExportError("--plain-query applies to --format gguf-ik only (a DeepSeek folder keeps the query as it is)")
 
     options = ExportOptions(**{f.name: settings[f.name] for f in fields(ExportOptions)})
     options.refuse_fp16()
@@ -54,14 +50,9 @@ def _gguf_writer(engine_name: str, format_name: str) -> Callable[[str, Path, dic
     settings only drop_biases, pad_value, plain_query (ik: IK_PLAIN_QUERY) and force apply to a GGUF file."""
 
     def write(model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
-        from .errors import ExportError
-        from .gguf import ENGINES, IK, IK_PLAIN_QUERY, export_gguf
+        from .gguf import ENGINES, IK_PLAIN_QUERY, export_gguf
 
-        engine = ENGINES[engine_name]
-        if settings.get("plain_query"):
-            if engine is not IK:
-                raise ExportError(f"--plain-query applies to --format gguf-ik only ({engine.name} reads a plain attn_q as it is)")
-            engine = IK_PLAIN_QUERY
+        engine = IK_PLAIN_QUERY if settings.get("plain_query") else ENGINES[engine_name]  # write_export allows it for gguf-ik only
         drop_biases = settings["drop_biases"]
         gguf = export_gguf(resolve_model_dir(model), output, settings["weight_type"], settings["tokenizer_pre"],
                            drop_biases=drop_biases, pad_value=settings["pad_value"], force=settings["force"],
@@ -91,6 +82,10 @@ def write_export(format: str, model: str, output: Path, settings: dict[str, Any]
     """Export `model` to `output` as the target `format` writes it; its summary."""
     if format not in TARGETS:
         raise ValueError(f"format must be one of {', '.join(TARGETS)}, got {format!r}")
+    if settings.get("plain_query") and format != "gguf-ik":
+        from .errors import ExportError
+
+        raise ExportError(f"--plain-query applies to --format gguf-ik only ({format} keeps the query as it is)")
     return TARGETS[format].write(model, output, settings)
 
 
