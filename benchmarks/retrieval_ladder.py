@@ -194,6 +194,17 @@ recall 30% / 2.102; source 58% / 0.964) with its MLA projections distilled from 
 wiki calibration tokens (the long distill recipe's settings, model.path that folder). Healing is named as the
 way to recall at length (README; a 50% run next) only if its dev recall nll is 1.818 or lower (25% of the gap
 to the source closed) with accuracy 35% or more (5 points up), and its key NLL not above 0.935.
+
+cli-25-unitary+fit+distill-repeat (issue 34; session of 2026-11-29, written before measuring): plain-text
+distillation healed perplexity, not retrieval (above). Does a healing set in which the teacher reads back far
+do better? The same run (the CLI's 25% conversion as written, out/passkey/transmla-25-shared; 120 steps of 1024
+wiki calibration tokens, the same rates) with two spans of 32-128 tokens of each training sequence copied over a
+later place (data.repeated_spans 2: the fit's with_repeated_span, seed 0), so that part of the teacher's signal is
+copying from far back. Healing is named as the way to recall at length by the same rule as the plain run's: dev
+recall nll 1.818 or lower with accuracy 35% or more, and key NLL not above 0.935 (the unhealed conversion's).
+Separately, the repeated spans replace plain text in recipes/smollm2_cpu_heal.yaml only if, against the plain
+heal (cli-25-unitary+fit+distill: keys 1.014 / 14, dev32 33.41, dev recall 27% / 1.944), the key NLL is lower,
+the exact matches no fewer (14), the dev recall nll no higher (1.944) and dev32 at most 2% above (34.08).
 """
 
 from __future__ import annotations
@@ -366,6 +377,11 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                    "the CLI's 25% conversion as written (out/passkey/transmla-25-shared) healed: its MLA "
                                    "projections distilled from the source, 120 steps of 1024 wiki tokens (the long distill "
                                    "recipe's settings; seconds: conversion + training)"),
+    "cli-25-unitary+fit+distill-repeat": ({"kv_budget": 0.25, "saved": "out/exp/ft-heal25r/model",
+                                           "timing": "convert/0.25-shared", "trained_by": "out/exp/heal25r.log"},
+                                          {"rotation": "unitary"},
+                                          "cli-25-unitary+fit+distill with two spans of each training sequence "
+                                          "repeated later (data.repeated_spans 2): the teacher reads back far"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),

@@ -60,7 +60,7 @@ CASES = {
     "qwen2-yarn-mscale-transmla-50": ("qwen2", {"rope_parameters": YARN_MSCALE_ROPE}, dict(method="transmla", kv_budget=0.5, shared_rope=True), {}),
     "llama-mqa-lossless": ("llama", {"num_key_value_heads": 1}, dict(method="lossless"), {}),
     "llama-mqa-mha2mla": ("llama", {"num_key_value_heads": 1}, dict(method="mha2mla", rope_pairs=2, kv_lora_rank=6, rope_select="uniform"), {}),
-    "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines="vllm,sglang,transformers", pad_latent=True)),
+    "llama-transmla-25-padded": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), dict(engines="vllm,sglang,transformers", pad_latent=True, pad_width=576)),
     "qwen2-bias-transmla-50-padded-value": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), dict(pad_value=True)),
     "qwen2-bias-dropped": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), dict(engines="sglang", drop_biases=True)),
     # Mixtral's router exists in vLLM's DeepSeek MoE only: checked with that router (see STOCK). Its
@@ -135,10 +135,34 @@ def test_stock_transformers_caches_the_latent(exported, case):
 
 
 def test_padded_latent_is_a_width_vllm_accepts(exported):
+    """--pad-latent: the smallest width vLLM takes (320 here), or the one --pad-width names (576: the
+    one FlashMLA and vLLM's CPU backend take); their logits: test_stock_transformers_equals_native."""
     natives, exports, results, _ = exported
-    r = results["llama-transmla-25-padded"]
+    r = results["llama-yarn-rope-transmla-25-all-engines"]
     assert r.kv_elements_per_token_per_layer == 320 and r.record["padded_latent"]
+    r = results["llama-transmla-25-padded"]
+    assert r.kv_elements_per_token_per_layer == 576 and r.record["padded_latent"]
     assert r.engines == {"transformers": None, "vllm": None, "sglang": None}
+
+
+@pytest.mark.parametrize("options, error", [
+    (dict(pad_width=576), "pad_width applies only with pad_latent"),
+    (dict(pad_latent=True, pad_width=512), "pad_width must be one of 320, 576, got 512"),
+])
+def test_pad_width_errors(options, error):
+    with pytest.raises(ValueError, match=error):
+        ExportOptions(**options)
+
+
+def test_padded_latent_size():
+    from transmla.export.engines import padded_latent_size
+
+    assert padded_latent_size(128, 64) == 256 and padded_latent_size(128, 64, 576) == 512
+    assert padded_latent_size(300, 64) == 512  # 364 > 320: the next width
+    with pytest.raises(ValueError, match="wider than the pad width 320"):
+        padded_latent_size(300, 64, 320)
+    with pytest.raises(ValueError, match=r"wider than every MLA width vLLM accepts \(320, 576\)"):
+        padded_latent_size(600, 64)
 
 
 def test_padded_value_has_the_key_width_and_the_same_cache(exported):
@@ -379,6 +403,8 @@ CLI_REFUSALS = {
     "fp16": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), ["--dtype", "fp16"], None, "fp16.*fp32 or bf16"),
     "biases-sglang": ("qwen2", {"bias": True}, dict(method="transmla", kv_budget=0.5, shared_rope=True), ["--engines", "sglang"], None, "sglang has no attention biases.*--drop-biases"),
     "vllm-width": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), ["--engines", "vllm"], None, "vllm would not load.*--pad-latent"),
+    "gguf-engines": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), ["--format", "gguf", "--engines", "vllm"], None, "--engines applies to --format deepseek only"),
+    "gguf-ik-pad-width": ("llama", {}, dict(method="transmla", kv_budget=0.5, shared_rope=True), ["--format", "gguf-ik", "--pad-latent", "--pad-width", "576"], None, "--pad-latent applies to --format deepseek only"),
     "per-layer-frequencies": ("llama", {}, dict(method="transmla", kv_budget=0.25, shared_rope=True), [], _per_layer_frequencies, "differ between layers.*--shared-rope"),
 }
 

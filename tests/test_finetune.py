@@ -119,6 +119,7 @@ def test_recipe_good_and_overrides(tmp_path):
          "distill.alpha: Input should be less than or equal to 1"),
         ({"distill": {"teacher": "src"}}, "distill: its settings apply only with train.objective: distill"),
         ({"distill": {"teachr": "src"}}, "unknown key 'distill.teachr'"),
+        ({"data": {"repeated_spans": 2}}, "data.repeated_spans needs data.documents: none"),
     ],
 )
 def test_recipe_errors(change, expect):
@@ -197,6 +198,28 @@ def test_packing_segments_positions_labels():
     assert q.input_ids[1].tolist() == [20, 21, 22, 0, 0, 0]
     assert q.segment_ids[1].tolist() == [1, 1, 1, PAD_SEGMENT, PAD_SEGMENT, PAD_SEGMENT]
     assert q.labels[1].tolist() == [21, 22] + [IGNORE] * 4 and q.tokens == 18
+
+
+def test_repeated_spans_copy_within_each_training_sequence(tiny):
+    """data.repeated_spans: each sequence holds its span copies (the fit's with_repeated_span, the
+    recipe's seed), labels are the next token of the changed text, the recipe's seed decides them."""
+    from transformers import AutoTokenizer
+
+    from transmla.data.calib import with_repeated_span
+    from transmla.finetune.train import _training_data
+
+    tok = AutoTokenizer.from_pretrained(tiny / "mla")
+    plain = _training_data(parse_recipe(_recipe(tiny, tiny / "o", data={"documents": "none", "seq_len": 300}), "r"), tok)
+    spans = _training_data(parse_recipe(_recipe(tiny, tiny / "o", data={"documents": "none", "seq_len": 300,
+                                                                        "repeated_spans": 2}), "r"), tok)
+    assert torch.equal(spans.input_ids, with_repeated_span(plain.input_ids, 0, spans=2))
+    assert not torch.equal(spans.input_ids, plain.input_ids)
+    assert torch.equal(spans.labels[:, :-1], spans.input_ids[:, 1:])  # one segment per sequence
+    assert torch.equal(spans.position_ids, plain.position_ids)
+    other = _training_data(parse_recipe(_recipe(tiny, tiny / "o", data={"documents": "none", "seq_len": 300,
+                                                                        "repeated_spans": 2},
+                                                train={"seed": 1}), "r"), tok)
+    assert not torch.equal(other.input_ids, spans.input_ids)
 
 
 def test_packing_never_attends_across_documents(tiny):

@@ -93,7 +93,7 @@ class OutputOptions(ExportOptions):
         parse_engines(self.engines)  # an unknown engine is refused first
         if self.format != "deepseek":
             given = [n for n, set_ in (("engines", self.engines != "transformers"), ("pad_latent", self.pad_latent),
-                                       ("drop_biases", self.drop_biases)) if set_]
+                                       ("pad_width", self.pad_width is not None), ("drop_biases", self.drop_biases)) if set_]
             if given:
                 raise ValueError(f"{given[0]} does not apply to format {self.format}; it is an option of the deepseek export")
         super().__post_init__()

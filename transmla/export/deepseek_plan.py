@@ -108,7 +108,7 @@ def plan_export(config, mla: MLAConfig, options: ExportOptions, engines: tuple[s
     keep_bias = any_bias and not options.drop_biases
     d_c_out = d_c
     if options.pad_latent:
-        d_c_out = padded_latent_size(d_c, d_r)
+        d_c_out = padded_latent_size(d_c, d_r, options.pad_width)
     d_v_out = d_nope + d_r if options.pad_value else d_v
     q_lora = mla.q_lora_rank
     q_bias_lora = keep_bias and has_bias["q"]

@@ -27,14 +27,15 @@ ENGINES = ("transformers", "vllm", "sglang")
 VLLM_MLA_WIDTHS = (320, 576)
 
 
-def padded_latent_size(kv_lora_rank: int, rope_dim: int) -> int:
-    """The smallest kv_lora_rank >= the given one whose width with the rope key vLLM accepts."""
-    for width in VLLM_MLA_WIDTHS:
-        if kv_lora_rank + rope_dim <= width:
-            return width - rope_dim
+def padded_latent_size(kv_lora_rank: int, rope_dim: int, width: int | None = None) -> int:
+    """The kv_lora_rank >= the given one whose width with the rope key is `width`, or (None) the
+    smallest width vLLM accepts that holds it."""
+    for w in (width,) if width else VLLM_MLA_WIDTHS:
+        if kv_lora_rank + rope_dim <= w:
+            return w - rope_dim
     raise ValueError(
-        f"latent {kv_lora_rank} + rope {rope_dim} is wider than every MLA width vLLM accepts "
-        f"({', '.join(map(str, VLLM_MLA_WIDTHS))})"
+        f"latent {kv_lora_rank} + rope {rope_dim} is wider than "
+        + (f"the pad width {width}" if width else f"every MLA width vLLM accepts ({', '.join(map(str, VLLM_MLA_WIDTHS))})")
     )
 
 

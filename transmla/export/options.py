@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..dtypes import torch_dtype
 from ..schema import option
-from .engines import parse_engines
+from .engines import VLLM_MLA_WIDTHS, parse_engines
 from .errors import ExportError
 
 
@@ -22,6 +22,11 @@ class ExportOptions:
     pad_latent: bool = option(
         False, "DeepSeek export: zero-pad the latent so kv_lora_rank + qk_rope_head_dim is a width vLLM accepts "
         "(320 or 576): exact, but the cache grows to that width.",
+    )
+    pad_width: int | None = option(
+        None, "With --pad-latent: the width to pad kv_lora_rank + qk_rope_head_dim to, 320 or 576 (default: the "
+        "smallest that holds the latent). 576 is the one width vLLM's FlashMLA, CUTLASS and CPU MLA backends take; "
+        "320 only its Triton MLA backend.",
     )
     pad_value: bool = option(
         False, "DeepSeek and GGUF export: zero-pad each head's value to its key's width (v_head_dim = "
@@ -42,6 +47,11 @@ class ExportOptions:
         from ..checkpoint.writer import parse_size
 
         parse_engines(self.engines)
+        if self.pad_width is not None:
+            if not self.pad_latent:
+                raise ValueError("pad_width applies only with pad_latent (--pad-latent)")
+            if self.pad_width not in VLLM_MLA_WIDTHS:
+                raise ValueError(f"pad_width must be one of {', '.join(map(str, VLLM_MLA_WIDTHS))}, got {self.pad_width}")
         if self.dtype is not None:
             torch_dtype(self.dtype)  # fail before any work on a bad name
         parse_size(self.max_shard_size)

@@ -82,10 +82,16 @@ def write_export(format: str, model: str, output: Path, settings: dict[str, Any]
     """Export `model` to `output` as the target `format` writes it; its summary."""
     if format not in TARGETS:
         raise ValueError(f"format must be one of {', '.join(TARGETS)}, got {format!r}")
-    if settings.get("plain_query") and format != "gguf-ik":
-        from .errors import ExportError
+    from .errors import ExportError
 
+    if settings.get("plain_query") and format != "gguf-ik":
         raise ExportError(f"--plain-query applies to --format gguf-ik only ({format} keeps the query as it is)")
+    if format != "deepseek":  # the DeepSeek folder's engine settings; a GGUF file is its own engine's
+        given = [flag for flag, set_ in (("--engines", settings.get("engines", "transformers") != "transformers"),
+                                         ("--pad-latent", settings.get("pad_latent")),
+                                         ("--pad-width", settings.get("pad_width") is not None)) if set_]
+        if given:
+            raise ExportError(f"{given[0]} applies to --format deepseek only ({format} writes one engine's file)")
     return TARGETS[format].write(model, output, settings)
 
 

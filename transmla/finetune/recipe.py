@@ -95,6 +95,18 @@ class DataSpec(_Strict):
     packing: bool = True
     min_document_tokens: int = Field(2, ge=2)  # shorter documents are dropped
     max_sequences: int | None = Field(None, ge=1)  # cap on the packed training sequences (smoke runs)
+    # Spans of 32-128 tokens copied over a later place of each training sequence (the conversion's
+    # fit sequences carry them too: data.calib.with_repeated_span), so that part of the teacher's
+    # signal is reading back far, as copying a fact stated long before needs. Needs documents
+    # "none" (one text, so every sequence is one piece of it and a copy never crosses a boundary).
+    repeated_spans: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _spans_need_one_document(self):
+        if self.repeated_spans and self.documents != "none":
+            raise ValueError(f"data.repeated_spans needs data.documents: none (got {self.documents!r}): "
+                             "a copied span must stay inside one document")
+        return self
 
 
 class TrainSpec(_Strict):

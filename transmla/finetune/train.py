@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.finite import require_finite_number
+from ..data.calib import with_repeated_span
 from ..dtypes import fast_bf16_matmul
 from .checkpoints import (
     TrainerState,
@@ -51,6 +52,7 @@ from .data import (
     document_token_ids,
     load_documents,
     pack_documents,
+    segment_labels,
 )
 from .distill import distill_objective, load_teacher, scored_kl_sum
 from .held_out import held_out_ids, held_out_perplexity
@@ -177,6 +179,10 @@ def _training_data(recipe: Recipe, tokenizer) -> PackedSequences:
             packed.input_ids[keep], packed.segment_ids[keep], packed.position_ids[keep], packed.labels[keep],
             packed.documents, int((packed.segment_ids[keep] >= 0).sum()),
         )
+    if d.repeated_spans:  # one segment per sequence (documents "none"), so labels stay the next token
+        ids = with_repeated_span(packed.input_ids, recipe.train.seed, spans=d.repeated_spans)  # [N, T]
+        packed = PackedSequences(ids, packed.segment_ids, packed.position_ids, segment_labels(ids, packed.segment_ids),
+                                 packed.documents, packed.tokens)
     return packed
 
 
