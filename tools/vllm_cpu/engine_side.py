@@ -5,6 +5,7 @@ token written as JSON.
 
     python engine_side.py offline MODEL_DIR PROMPT_IDS_JSON N_NEW OUT_JSON
     python engine_side.py serve   MODEL_DIR PROMPT_IDS_JSON N_NEW OUT_JSON PORT
+    (offline+torch-rope, serve+torch-rope: the same with vLLM's PyTorch RoPE, below)
 
 offline: LLM(dtype=float32, enforce_eager) with prompt_logprobs and logprobs
 (prefill, then decode through vLLM's MLA cache: its CPU decode kernel). serve: the same model behind
@@ -20,6 +21,13 @@ import sys
 import time
 import urllib.request
 
+# vLLM 0.32.0's CPU rotary_embedding op (its C++ kernel, on by default) reads a query laid out [tokens, heads,
+# head_size] as tokens * heads rows, each rotated by positions[row]: head h of token t gets the angle of position
+# t * heads + h, or none past the last position (probed: benchmarks.vllm_cpu's docstring). Every model but MLA
+# passes [tokens, heads * head_size], which it rotates right; its MLA layer (layers/mla.py) passes q[..., nope:]
+# as [tokens, heads, rope]. vLLM's own switch back to its PyTorch RoPE is custom_ops "-rotary_embedding".
+TORCH_ROPE = {"custom_ops": ["-rotary_embedding"]}
+
 # On the CPU backend gpu_memory_utilization is the fraction of the machine's RAM vLLM reserves (its default,
 # 0.92, is refused when other processes hold more than 8%); a tiny model needs far less.
 MEMORY = 0.1
@@ -27,11 +35,11 @@ TOP = 20  # log-probabilities of the TOP most likely tokens per position (vLLM's
 COMMON = dict(dtype="float32", enforce_eager=True, max_model_len=512, trust_remote_code=False, gpu_memory_utilization=MEMORY)
 
 
-def offline(model: str, ids: list[int], n_new: int, top: int) -> dict:
+def offline(model: str, ids: list[int], n_new: int, top: int, torch_rope: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, max_logprobs=top, **COMMON)
+    llm = LLM(model=model, max_logprobs=top, **COMMON, **({"compilation_config": TORCH_ROPE} if torch_rope else {}))
     params = SamplingParams(temperature=0.0, max_tokens=n_new, logprobs=top, prompt_logprobs=top)
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
     dense = lambda lp: {int(t): float(v.logprob) for t, v in lp.items()}  # noqa: E731
@@ -40,10 +48,12 @@ def offline(model: str, ids: list[int], n_new: int, top: int) -> dict:
             "logprobs": [dense(lp) for lp in out.outputs[0].logprobs]}
 
 
-def serve(model: str, ids: list[int], n_new: int, top: int, port: int) -> dict:
+def serve(model: str, ids: list[int], n_new: int, top: int, port: int, torch_rope: bool = False) -> dict:
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-logprobs", str(top),
             "--gpu-memory-utilization", str(MEMORY)]
+    if torch_rope:
+        args += ["--compilation-config", json.dumps(TORCH_ROPE)]
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -79,7 +89,12 @@ def serve(model: str, ids: list[int], n_new: int, top: int, port: int) -> dict:
 def main() -> int:
     mode, model, ids_json, n_new, out = sys.argv[1:6]
     ids = json.loads(ids_json)
-    result = offline(model, ids, int(n_new), TOP) if mode == "offline" else serve(model, ids, int(n_new), TOP, int(sys.argv[6]))
+    path, _, variant = mode.partition("+")
+    if path not in ("offline", "serve") or variant not in ("", "torch-rope"):
+        raise SystemExit(f"mode must be offline or serve, optionally +torch-rope; got {mode!r}")
+    torch_rope = variant == "torch-rope"
+    result = (offline(model, ids, int(n_new), TOP, torch_rope) if path == "offline"
+              else serve(model, ids, int(n_new), TOP, int(sys.argv[6]), torch_rope))
     import vllm
 
     result["vllm"] = vllm.__version__
