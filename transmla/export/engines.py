@@ -197,7 +197,8 @@ def fast_kernel_report(d_c: int, d_r: int, d_nope: int, d_v: int) -> dict[str, t
     vllm = (width in VLLM_MLA_WIDTHS,
             f"latent + rope = {width}: " + ("FlashMLA, CUTLASS and CPU MLA backends" if width == 576 else
                                            "the Triton MLA backend only" if width == 320 else
-                                           "no MLA backend takes it (320 or 576; --pad-latent pads to one)"))
+                                           "no MLA backend takes it (320 or 576; --pad-latent pads to one, "
+                                           "--pad-width 576 to the one FlashMLA and its CPU backend take)"))
     mainline = (False, "its CPU flash attention runs each query head over the cache on its own (the latent is "
                        "re-read per head); widths that are multiples of 64 only keep its f16 dot product vectorised")
     return dict(zip(FAST_ENGINES, (ik, ik_prompt, vllm, mainline)))
