@@ -49,7 +49,7 @@ class ExportOptions:
         parse_engines(self.engines)
         if self.pad_width is not None:
             if not self.pad_latent:
-                raise ValueError("pad_width applies only with pad_latent (--pad-latent)")
+                raise ValueError("pad_width applies only with pad_latent")
             if self.pad_width not in VLLM_MLA_WIDTHS:
                 raise ValueError(f"pad_width must be one of {', '.join(map(str, VLLM_MLA_WIDTHS))}, got {self.pad_width}")
         if self.dtype is not None:
