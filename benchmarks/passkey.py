@@ -143,6 +143,12 @@ def run(lengths: list[int], roles: list[str], threads: int) -> dict:
     specs = {role: MODEL if shape is None else str(converted(*shape, cache)) for role, shape in MODELS.items()
              if role in roles}
     specs |= {role: str(ROOT / folder) for role, folder in HEALED.items() if role in roles and (ROOT / folder).is_dir()}
+    measure_lengths(cache, specs, lengths, threads)
+    return cache.results
+
+
+def measure_lengths(cache: ResultCache, specs: dict[str, str], lengths: list[int], threads: int) -> None:
+    """Every (role, length) cell not yet in the cache at this thread count, saved as it finishes."""
     for length in lengths:
         for role, spec in specs.items():
             key = f"{role}/{length}"
@@ -153,7 +159,6 @@ def run(lengths: list[int], roles: list[str], threads: int) -> dict:
                 entry = cache.results[key]
                 log(f"{key}: {entry['found']}/{entry['keys']} found, " + ", ".join(
                     f"{c['depth']:g}%: {c['found']}/{c['keys']} in {c['seconds']:.1f} s" for c in entry["cells"]))
-    return cache.results
 
 
 def merged(data: dict, role: str) -> dict | None:

@@ -503,18 +503,20 @@ def measure_saved(name: str, cache: ResultCache) -> None:
     if twin is None:
         raise SystemExit(f"{name}: measure its fit-free twin {name.split('+')[0]!r} first")
     folder = ROOT / options_kw["saved"]
+    timing = json.loads((ROOT / "benchmarks" / "results" / "passkey_smollm2.json").read_text())
+    seconds = timing.get("results", timing).get(options_kw["timing"], {}).get("wall_s", float("nan"))
+    if "trained_by" in options_kw:  # + the training run's wall time: its /usr/bin/time -v log, else its metrics
+        from .common import measured
+
+        log_text = (ROOT / options_kw["trained_by"]).read_text()
+        seconds += (measured(ROOT / options_kw["trained_by"])["wall_s"] if "Elapsed (wall clock)" in log_text
+                    else json.loads((folder.parent / "metrics.json").read_text())["summary"]["wall_seconds"])
     model, tok = load_model(folder)
     b = Bench()
     with torch.no_grad():
         final = key_probe(model, tok, PasskeySettings(**DEV_PASSKEY), DEV_LENGTHS)
         dev32 = b.dev32_ppl(model)
         recall = dev_recall(model, tok)
-    timing = json.loads((ROOT / "benchmarks" / "results" / "passkey_smollm2.json").read_text())
-    seconds = timing.get("results", timing).get(options_kw["timing"], {}).get("wall_s", float("nan"))
-    if "trained_by" in options_kw:  # + the training run's wall time (/usr/bin/time -v log)
-        from .common import measured
-
-        seconds += measured(ROOT / options_kw["trained_by"])["wall_s"]
     cache.results[name] = dict(variant=name, plan=twin["plan"], options=BASE | options_kw,
                                convert_seconds=seconds, stage_ppl8=twin["stage_ppl8"],
                                probes={k: twin["probes"][k] for k in ("rorope", "bkv_pca")} | {"final": final},
