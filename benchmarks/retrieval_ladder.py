@@ -788,7 +788,18 @@ points lower). It fails every part of its rule (recall nll 1.818 or lower, 35% o
 distillation on plain text heals perplexity, not retrieval, so it is not the way back to recall at length, and the
 README does not offer it as one. What plain text weighs (the next token, mostly from near context) is what the
 per-layer fit already weighs; a healing set built for copying far back (the fit's repeated spans, key-value
-lists) is the untried next step."""
+lists) is the untried next step.
+
+cli-25-unitary+fit+distill-repeat (issue 34; session of 2026-11-29; its rules are above, written before it ran). The
+same heal with two spans of each 1024-token training sequence copied later (`data.repeated_spans: 2`; AMD EPYC, one
+core, the other busy; 60 min, about 38 tokens/s): wiki-eval 33.53 -> 26.07 (plain text: 25.94), dev32 33.64 (plain:
+33.41, +0.7%), keys **0.464 / 25 exact** (plain 1.014 / 14, unhealed 0.935 / 18; the source 0.301 / 15), dev recall
+30% / 2.010 (plain 27% / 1.944, unhealed 30% / 2.102). Copying in the teacher's signal brings the passkeys most of
+the way back (74% of the key NLL gap the unhealed conversion leaves, more exact keys than the source), but not
+recall: association (a city named with a person, asked for by the person) is not copying. It fails the first rule
+(recall nll 1.818 or lower with 35%), and the second on recall alone (2.010 against 1.944 or lower; keys, exact
+matches and dev32 pass), so recipes/smollm2_cpu_heal.yaml keeps plain text. Neither the fit nor healing has yet
+touched what recall reads at 25%."""
 
 
 def report(results: dict) -> str:
