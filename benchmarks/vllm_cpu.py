@@ -65,15 +65,15 @@ SOURCE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidd
               tie_word_embeddings=True)
 
 
-# Weights that make attention scores: scaled by SHARP in the "-sharp" models, so that attention is peaked
+# Weights that make attention scores: scaled by SHARP in the random models, so that attention is peaked
 # (at the random init, scores are about 0.1 apart and attention nearly uniform, which hides an error in them)
 SCORE_WEIGHTS = ("q_proj", "k_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 SHARP = 8.0
 
 
-def save_random(model_class: str, config, path: Path, tokenizer_dir: Path, sharp: float = 1.0) -> None:
+def save_random(model_class: str, config, path: Path, tokenizer_dir: Path) -> None:
     """A random fp32 model of transformers' `model_class` (seed 0, norm weights in [0.5, 1.5]) with SmolLM2's
-    tokenizer; the weights that make attention scores (SCORE_WEIGHTS) times `sharp`."""
+    tokenizer; the weights that make attention scores (SCORE_WEIGHTS) times SHARP."""
     import torch
     import transformers
 
@@ -84,19 +84,19 @@ def save_random(model_class: str, config, path: Path, tokenizer_dir: Path, sharp
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif any(f".{w}." in name for w in SCORE_WEIGHTS):
-                p.mul_(sharp)
+                p.mul_(SHARP)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, path / f)
 
 
-def build_source(path: Path, tokenizer_dir: Path, sharp: float = 1.0) -> None:
+def build_source(path: Path, tokenizer_dir: Path) -> None:
     import transformers
 
-    save_random("LlamaForCausalLM", transformers.LlamaConfig(**SOURCE), path, tokenizer_dir, sharp)
+    save_random("LlamaForCausalLM", transformers.LlamaConfig(**SOURCE), path, tokenizer_dir)
 
 
-def build_stock(path: Path, tokenizer_dir: Path, sharp: float = 1.0) -> None:
+def build_stock(path: Path, tokenizer_dir: Path) -> None:
     """The control: a stock DeepseekV3 made by transformers' own class at the same widths (576 = 512 + 64)."""
     import transformers
 
@@ -106,7 +106,7 @@ def build_stock(path: Path, tokenizer_dir: Path, sharp: float = 1.0) -> None:
         qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
         tie_word_embeddings=False, rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    save_random("DeepseekV3ForCausalLM", config, path, tokenizer_dir, sharp)
+    save_random("DeepseekV3ForCausalLM", config, path, tokenizer_dir)
 
 
 def prompt_ids(tokenizer_dir: Path, n: int) -> list[int]:
@@ -183,14 +183,14 @@ def run_case(name: str, work: Path, tokenizer_dir: Path, n_prompt: int, n_new: i
     if source is None:
         source = work / "source"
         if not (source / "config.json").exists():
-            build_source(source, tokenizer_dir, SHARP if name.endswith("-sharp") else 1.0)
+            build_source(source, tokenizer_dir)
     if not (native / "config.json").exists():
         log(f"{name}: converting")
         subprocess.run([TRANSMLA, "convert", source, native, *convert_flags, "--force"], check=True)
     if not (export / "config.json").exists():
         subprocess.run([TRANSMLA, "export", native, export, "--format", "deepseek", *export_flags, "--force"], check=True)
     if "stock-offline" in modes and not (stock / "config.json").exists():
-        build_stock(stock, tokenizer_dir, SHARP if name.endswith("-sharp") else 1.0)
+        build_stock(stock, tokenizer_dir)
     ids = prompt_ids(tokenizer_dir, n_prompt)
     mine = ours(native, ids, n_new)
     # the exported folder in stock transformers: what vLLM should give; it differs from our model only where the
