@@ -799,7 +799,14 @@ the way back (74% of the key NLL gap the unhealed conversion leaves, more exact 
 recall: association (a city named with a person, asked for by the person) is not copying. It fails the first rule
 (recall nll 1.818 or lower with 35%), and the second on recall alone (2.010 against 1.944 or lower; keys, exact
 matches and dev32 pass), so recipes/smollm2_cpu_heal.yaml keeps plain text. Neither the fit nor healing has yet
-touched what recall reads at 25%."""
+touched what recall reads at 25%.
+
+cli-25-unitary+fit-far (issue 34; session of 2026-11-29; its rule is above, written before it ran). The 25% fit with
+the 50% fit's far term (AMD EPYC, one core, the other running the test suite; 2873 s against the default's 2295 s):
+keys 1.097 / 13 exact (the default 0.935 / 18), dev32 43.64 (+1.7%), dev recall 27% / 2.203 (the default 30% /
+2.102): worse on every measure, so it fails its rule and the 25% fit keeps no far term (output_fit.FAR_MIN_BUDGET
+stays 0.5). At 25% the latent (64 + 32) has too little room for the far term to buy recall with: fitting the
+far-back attention takes it from the near tokens and the keys without reaching what recall reads."""
 
 
 def report(results: dict) -> str:
