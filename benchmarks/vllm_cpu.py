@@ -196,6 +196,7 @@ def run_case(name: str, work: Path, tokenizer_dir: Path, n_prompt: int, n_new: i
     # the exported folder in stock transformers: what vLLM should give; it differs from our model only where the
     # export is not exact (a source whose rms_norm_eps is not DeepSeek's fixed 1e-6, as SmolLM2's 1e-5)
     exported = ours(export, ids, n_new)
+    stock_reference = ours(stock, ids, n_new) if any(m.startswith("stock-") for m in modes) else None
     config = json.loads((export / "config.json").read_text())
     case = {"source": str(source) if isinstance(source, str) else {**SOURCE, "random": True},
             "convert": " ".join(convert_flags), "export": " ".join(export_flags),
@@ -204,7 +205,7 @@ def run_case(name: str, work: Path, tokenizer_dir: Path, n_prompt: int, n_new: i
     # our export against our native model; the control, a stock DeepseekV3, against transformers' own forward
     # (the same `ours`: both load through AutoModelForCausalLM)
     for mode in modes:
-        model, reference = (stock, ours(stock, ids, n_new)) if mode.startswith("stock-") else (export, mine)
+        model, reference = (stock, stock_reference) if mode.startswith("stock-") else (export, mine)
         log(f"{name}: vLLM {mode}")
         try:
             theirs, seconds = run_engine(mode.replace("stock-", ""), model, ids, n_new, work / f"{mode}.json")

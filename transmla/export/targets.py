@@ -78,20 +78,25 @@ def formats_help() -> str:
     return "; ".join(f"{t.name}: {t.help}" for t in TARGETS.values()) + "."
 
 
+# Flags of one format only: (flag, settings key, its value when not given, the format, why another refuses it)
+FORMAT_ONLY_FLAGS = (
+    ("--plain-query", "plain_query", False, "gguf-ik", "keeps the query as it is"),
+    # the DeepSeek folder's engine settings; a GGUF file is its own engine's
+    ("--engines", "engines", "transformers", "deepseek", "writes one engine's file"),
+    ("--pad-latent", "pad_latent", False, "deepseek", "writes one engine's file"),
+    ("--pad-width", "pad_width", None, "deepseek", "writes one engine's file"),
+)
+
+
 def write_export(format: str, model: str, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Export `model` to `output` as the target `format` writes it; its summary."""
     if format not in TARGETS:
         raise ValueError(f"format must be one of {', '.join(TARGETS)}, got {format!r}")
     from .errors import ExportError
 
-    if settings.get("plain_query") and format != "gguf-ik":
-        raise ExportError(f"--plain-query applies to --format gguf-ik only ({format} keeps the query as it is)")
-    if format != "deepseek":  # the DeepSeek folder's engine settings; a GGUF file is its own engine's
-        given = [flag for flag, set_ in (("--engines", settings.get("engines", "transformers") != "transformers"),
-                                         ("--pad-latent", settings.get("pad_latent")),
-                                         ("--pad-width", settings.get("pad_width") is not None)) if set_]
-        if given:
-            raise ExportError(f"{given[0]} applies to --format deepseek only ({format} writes one engine's file)")
+    for flag, key, unset, only, why in FORMAT_ONLY_FLAGS:
+        if format != only and settings.get(key, unset) != unset:
+            raise ExportError(f"{flag} applies to --format {only} only ({format} {why})")
     return TARGETS[format].write(model, output, settings)
 
 
