@@ -3,6 +3,7 @@ models and texts beside the CLI's conversions at the same cache per token (issue
 
     .venv/bin/python -m benchmarks.care_peer --care DIR                    # SmolLM2 at 50% and 25%
     .venv/bin/python -m benchmarks.care_peer --care DIR --runs care-0.25   # some runs
+    .venv/bin/python -m benchmarks.care_peer --care DIR --model qwen2.5-coder-1.5b   # the real 1.5B at 25%
     .venv/bin/python -m benchmarks.care_peer --report                      # only the table
 
 DIR is a checkout of FutureMLS-Lab/CARE (commit c3c2126; never copied into this repository); its `src` is
@@ -29,7 +30,16 @@ lengths 1K/2K/4K, depths 10/50/90, 5 keys: 45 prompts) and the recall task (`tra
 60 items, seed 0). The CLI's conversions at the same budgets (out/passkey's folders, made by
 benchmarks/passkey) and the source are measured by the same code.
 
-Writes benchmarks/results/care_peer_smollm2.json and .md, with the CPU and the load average.
+On the Qwen2.5-Coder-1.5B (`--model qwen2.5-coder-1.5b`) CARE runs at the CLI's 25% shape (96 + 32, collapse 4;
+its own script for this model family, scripts/qwen2.5-1.5B/run_care.sh, keeps 256 + 64 = 62.5%) with the
+settings above, and is measured as benchmarks.qwen2_1p5b measures the CLI's conversions: perplexity on the first
+16 windows of 512 tokens of wiki, lee, code and Debian's licence texts, fp32 (the same windows and scoring code as
+`transmla eval --max-windows 16`). The key probe and the recall task are not run there: on one thread of this CPU
+the 1.5B reads about 20 tokens a second, so they would take hours. The source's and the CLI's rows are read
+from benchmarks/results/qwen2_1p5b.json (the CLI's conversion there: transmla-0.25-cli), not measured again.
+
+Writes benchmarks/results/care_peer_smollm2.json and .md (care_peer_qwen2_1p5b for the 1.5B), with the CPU and
+the load average.
 """
 
 from __future__ import annotations
@@ -39,27 +49,55 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from transmla.checkpoint.resolve import cache_root
+
 from .common import RESULTS, ResultCache, log, machine
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m"
-STEM = "care_peer_smollm2"
 CARE_COMMIT = "c3c2126"
-TEXTS = ("wiki", "lee", "code")
-SEQ, WINDOWS = 512, 32
+SEQ = 512
 PROBE = dict(depths="10,50,90", keys=5, seed=0)
 PROBE_LENGTHS = [1024, 2048, 4096]
 RECALL = dict(items=60, context_tokens=1024, task_seed=0)
-# run -> (fraction of the source's cache, CARE's kv_lora_rank, qk_mqa_dim): SmolLM2 keeps 3 x 64 x 2 = 384
-# elements per token per layer; the CLI's exportable shapes at 50% and 25% are 128 + 64 and 64 + 32.
-CARE_RUNS = {"care-0.5": (0.5, 128, 64), "care-0.25": (0.25, 64, 32)}
-# run -> the CLI's conversion at that budget (benchmarks/passkey's folders, under the repository root)
-CLI_RUNS = {"transmla-0.5": (0.5, "out/passkey/transmla-50-shared"), "transmla-0.25": (0.25, "out/passkey/transmla-25-shared")}
 FREQFOLD, DAMPING, CAL_SEQ, CAL_BATCH, SEED = 4, 0.01, 256, 2, 42
+
+
+@dataclass(frozen=True)
+class Target:
+    """One source model's comparison: CARE's runs, the CLI's conversions beside them, what is measured."""
+
+    model: str
+    stem: str  # benchmarks/results/STEM.json and .md
+    # run -> (fraction of the source's cache, CARE's kv_lora_rank, qk_mqa_dim)
+    care_runs: dict[str, tuple[float, int, int]]
+    # run -> (fraction, the CLI's conversion at that budget: a folder, relative to the repository root or absolute)
+    cli_runs: dict[str, tuple[float, str]]
+    texts: tuple[str, ...]
+    windows: int
+    tasks: bool  # the key probe and the recall task too
+    # the source's and the CLI's rows read from another benchmark's JSON (run -> its key there), not measured here
+    reference: tuple[str, dict[str, str]] | None = None
+
+
+TARGETS = {
+    # SmolLM2 keeps 3 x 64 x 2 = 384 elements per token per layer; the CLI's exportable shapes at 50% and 25% are
+    # 128 + 64 and 64 + 32 (benchmarks/passkey's folders)
+    "smollm2-135m": Target(
+        "smollm2-135m", "care_peer_smollm2", {"care-0.5": (0.5, 128, 64), "care-0.25": (0.25, 64, 32)},
+        {"transmla-0.5": (0.5, "out/passkey/transmla-50-shared"), "transmla-0.25": (0.25, "out/passkey/transmla-25-shared")},
+        ("wiki", "lee", "code"), 32, True),
+    # Qwen2.5-Coder-1.5B keeps 2 x 128 x 2 = 512; the CLI's 25% is 96 + 32 (benchmarks/qwen2_1p5b's transmla-0.25-cli)
+    "qwen2.5-coder-1.5b": Target(
+        "qwen2.5-coder-1.5b", "care_peer_qwen2_1p5b", {"care-0.25": (0.25, 96, 32)},
+        {"transmla-0.25": (0.25, str(cache_root() / "bench-qwen2" / "transmla-0.25-cli"))},
+        ("wiki", "lee", "code", "licences"), 16, False,
+        ("qwen2_1p5b", {"source": "source@16", "transmla-0.25": "transmla-0.25-cli@16"})),
+}
 
 
 class _Rows:
@@ -125,7 +163,7 @@ def care_model(care_src: Path, source_dir: Path, kv_lora_rank: int, qk_mqa_dim: 
     tok = AutoTokenizer.from_pretrained(source_dir)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    head_dim = model.config.head_dim or model.config.hidden_size // model.config.num_attention_heads
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     args = parse_args(["--model-path", str(source_dir), "--save-path", "-", "--dtype", "fp32", "--kv-lora-rank",
                        str(kv_lora_rank), "--qk-mqa-dim", str(qk_mqa_dim), "--collapse", str(head_dim // qk_mqa_dim),
                        "--freqfold", str(FREQFOLD), "--kv-decomp-method", "care", "--cwsvd-percdamp", str(DAMPING),
@@ -141,8 +179,17 @@ def care_model(care_src: Path, source_dir: Path, kv_lora_rank: int, qk_mqa_dim: 
     return model.eval(), tok
 
 
-def measure(model, tok) -> dict:
-    """Test perplexity on each text, the key probe and the recall task."""
+def text_spec(text: str) -> str:
+    """What load_text reads for a text of the tables: a built-in name, or the licence texts' file."""
+    if text == "licences":
+        from .calib_mix import held_out_texts
+
+        return str(held_out_texts()["licences"])
+    return text
+
+
+def measure(model, tok, target: Target) -> dict:
+    """Test perplexity on each text, then (target.tasks) the key probe and the recall task."""
     from transmla.data.calib import tokenize_text
     from transmla.data.texts import load_text
     from transmla.eval.choice_tasks import ChoiceSettings, recall_items, score_items
@@ -153,22 +200,25 @@ def measure(model, tok) -> dict:
     out: dict = {"perplexity": {}}
     start = time.perf_counter()
     with torch.no_grad():
-        for text in TEXTS:
-            ids = tokenize_text(tok, load_text(text, "eval"))
-            out["perplexity"][text] = perplexity(model, ids, seq_len=SEQ, max_windows=WINDOWS, progress=False).perplexity
-        probe = key_probe(model, tok, PasskeySettings(**PROBE), PROBE_LENGTHS)
-        out["keys"] = {k: probe[k] for k in ("nll", "exact", "keys")}
-        recall = score_items(model, recall_items(tok, ChoiceSettings(**RECALL)))
-        out["recall"] = {k: recall[k] for k in ("items", "acc", "nll")}
+        for text in target.texts:
+            ids = tokenize_text(tok, load_text(text_spec(text), "eval"))
+            out["perplexity"][text] = perplexity(model, ids, seq_len=SEQ, max_windows=target.windows,
+                                                 progress=False).perplexity
+            log(f"{text}: {out['perplexity'][text]:.3f}")
+        if target.tasks:
+            probe = key_probe(model, tok, PasskeySettings(**PROBE), PROBE_LENGTHS)
+            out["keys"] = {k: probe[k] for k in ("nll", "exact", "keys")}
+            recall = score_items(model, recall_items(tok, ChoiceSettings(**RECALL)))
+            out["recall"] = {k: recall[k] for k in ("items", "acc", "nll")}
     out["eval_seconds"] = round(time.perf_counter() - start, 1)
     return out
 
 
-def run(name: str, care: Path | None, samples: int, cache: ResultCache) -> None:
+def run(name: str, target: Target, care: Path | None, samples: int, cache: ResultCache) -> None:
     from transmla.checkpoint.resolve import load_model, resolve_model_dir
 
     env = machine()
-    source_dir = resolve_model_dir(MODEL)
+    source_dir = resolve_model_dir(target.model)
     row: dict = {"machine": env}
     if name == "source":
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,25 +226,46 @@ def run(name: str, care: Path | None, samples: int, cache: ResultCache) -> None:
         model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(source_dir)
         row |= {"fraction": 1.0, "shape": "source"}
-    elif name in CLI_RUNS:
-        fraction, folder = CLI_RUNS[name]
+    elif name in target.cli_runs:
+        fraction, folder = target.cli_runs[name]
         model, tok = load_model(ROOT / folder)
         row |= {"fraction": fraction, "shape": cli_shape(folder), "folder": folder}
     else:
         if care is None:
             raise SystemExit(f"{name}: give --care DIR (a checkout of FutureMLS-Lab/CARE)")
-        fraction, rank, mqa = CARE_RUNS[name]
+        fraction, rank, mqa = target.care_runs[name]
         start = time.perf_counter()
         model, tok = care_model(care / "src", source_dir, rank, mqa, samples)
         row |= {"fraction": fraction, "shape": f"{rank} + {mqa}", "convert_seconds": round(time.perf_counter() - start, 1),
                 "care": {"commit": CARE_COMMIT, "kv_lora_rank": rank, "qk_mqa_dim": mqa, "freqfold": FREQFOLD,
                          "damping": DAMPING, "samples": samples, "seq": CAL_SEQ, "method": "care", "dtype": "fp32"}}
-    row |= measure(model, tok)
+    row |= measure(model, tok, target)
     row["load_after"] = round(os.getloadavg()[0], 2)
     row["date"] = time.strftime("%Y-%m-%d %H:%M")
     cache.results[name] = row
     cache.save()
-    log(f"{name}: {row['perplexity']} keys {row['keys']} recall {row['recall']}")
+    log(f"{name}: {row['perplexity']} keys {row.get('keys')} recall {row.get('recall')}")
+
+
+def referenced(target: Target) -> dict:
+    """The source's and the CLI's rows of target.reference's JSON, in this table's form."""
+    if target.reference is None:
+        return {}
+    stem, keys = target.reference
+    other = ResultCache(RESULTS / f"{stem}.json").results
+    rows = {}
+    for name, key in keys.items():
+        r = other.get(key)
+        if r is None:
+            continue
+        fraction, folder = (1.0, None) if name == "source" else target.cli_runs[name]
+        shape = "source" if name == "source" else f"{r['mla']['kv_lora_rank']} + {r['mla']['qk_rope_head_dim']} (CLI)"
+        rows[name] = {"fraction": fraction, "shape": shape, "machine": r["machine"], "load_after": "?",
+                      "perplexity": {t: r[t]["perplexity"] for t in target.texts},
+                      "from": f"benchmarks/results/{stem}.json, {key}"}
+        if r.get("conversion"):
+            rows[name]["convert_seconds"] = r["conversion"].get("wall_s")
+    return rows
 
 
 def cli_shape(folder: str) -> str:
@@ -203,50 +274,62 @@ def cli_shape(folder: str) -> str:
     return f"{mla['kv_lora_rank']} + {mla['qk_rope_head_dim']} (CLI)"
 
 
-def report(results: dict) -> str:
+def report(results: dict, target: Target) -> str:
+    results = {**referenced(target), **results}
     src = results.get("source")
-    lines = [f"# CARE (its own code) beside the CLI on {MODEL}, the same cache per token", "",
-             "Made by `python -m benchmarks.care_peer` (protocol and CARE's settings in its docstring). Perplexity on "
-             f"the first {WINDOWS} windows of {SEQ} tokens of each evaluation part (x: over the source's); keys: the "
-             "passkey likelihood probe (test seed 0, 1K/2K/4K, depths 10/50/90, 5 keys: mean key NLL / exact of 45); "
-             "recall: 60 items (seed 0), accuracy / nll (chance 25%). CARE calibrates on the wiki text only (its own "
-             "default is wikitext2); the CLI's default calibration mixes wiki, lee and code (3 : 1 : 2), which is part "
-             "of the gap on code.", "",
-             "| run | cache | latent + rope | wiki | lee | code | keys | recall | convert s | CPU, load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    order = ["source", *[n for f in (0.5, 0.25) for n in (*CLI_RUNS, *CARE_RUNS)
-                         if (CLI_RUNS.get(n) or CARE_RUNS.get(n))[0] == f]]
+    tasks = target.tasks
+    intro = (f"Made by `python -m benchmarks.care_peer --model {target.model}` (protocol and CARE's settings in its "
+             f"docstring). Perplexity on the first {target.windows} windows of {SEQ} tokens of each evaluation part "
+             "(x: over the source's)")
+    if tasks:
+        intro += ("; keys: the passkey likelihood probe (test seed 0, 1K/2K/4K, depths 10/50/90, 5 keys: mean key NLL "
+                  "/ exact of 45); recall: 60 items (seed 0), accuracy / nll (chance 25%)")
+    intro += (". CARE calibrates on the wiki text only (its own default is wikitext2); the CLI's default calibration "
+              "mixes wiki, lee and code (3 : 1 : 2), which is part of the gap on code.")
+    if target.reference:
+        intro += (f" The source's and the CLI's rows are benchmarks/results/{target.reference[0]}.json's (the same "
+                  "windows and scoring code), not measured again; the CLI's conversion seconds there are its wall time "
+                  "under /usr/bin/time.")
+    head = ["run", "cache", "latent + rope", *target.texts, *(["keys", "recall"] if tasks else []), "convert s", "CPU, load"]
+    lines = [f"# CARE (its own code) beside the CLI on {target.model}, the same cache per token", "", intro, "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    runs = {**target.cli_runs, **target.care_runs}
+    order = ["source", *[n for f in sorted({v[0] for v in runs.values()}, reverse=True) for n in runs if runs[n][0] == f]]
     for name in order:
         r = results.get(name)
         if r is None:
             continue
         ppl = r["perplexity"]
         cells = [f"{ppl[t]:.2f}" + (f" ({ppl[t] / src['perplexity'][t]:.2f}x)" if src and name != "source" else "")
-                 for t in TEXTS]
-        keys, rec = r["keys"], r["recall"]
+                 for t in target.texts]
+        if tasks:
+            keys, rec = r["keys"], r["recall"]
+            cells += [f"{keys['nll']:.3f} / {keys['exact']}", f"{rec['acc']:.0%} / {rec['nll']:.3f}"]
         env = r["machine"]
-        lines.append(f"| {name} | {r['fraction']:.0%} | {r['shape']} | {' | '.join(cells)} | {keys['nll']:.3f} / "
-                     f"{keys['exact']} | {rec['acc']:.0%} / {rec['nll']:.3f} | {r.get('convert_seconds', '-')} | "
+        lines.append(f"| {name} | {r['fraction']:.0%} | {r['shape']} | {' | '.join(cells)} | {r.get('convert_seconds', '-')} | "
                      f"{env['machine']}, {env['threads']} thread(s), load {env['load_average']}-{r['load_after']} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    runs = ["source", *CLI_RUNS, *CARE_RUNS]
-    parser.add_argument("--runs", default=",".join(runs), help=f"comma-separated, of {', '.join(runs)}")
+    parser.add_argument("--model", default="smollm2-135m", choices=list(TARGETS), help="the source model")
+    parser.add_argument("--runs", help="comma-separated runs (default: all of the model's; --help of a model lists none)")
     parser.add_argument("--care", type=Path, help="a checkout of FutureMLS-Lab/CARE (its src is imported)")
     parser.add_argument("--samples", type=int, default=128, help="CARE's calibration sequences of 256 tokens")
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     args = parser.parse_args()
-    cache = ResultCache(RESULTS / f"{STEM}.json")
+    target = TARGETS[args.model]
+    runs = [*([] if target.reference else ["source"]), *[n for n in target.cli_runs if not target.reference],
+            *target.care_runs]
+    cache = ResultCache(RESULTS / f"{target.stem}.json")
     if not args.report:
-        for name in [n for n in args.runs.split(",") if n]:
+        for name in [n for n in (args.runs or ",".join(runs)).split(",") if n]:
             if name not in runs:
-                parser.error(f"unknown run {name}; choose from {', '.join(runs)}")
+                parser.error(f"unknown run {name} for {target.model}; choose from {', '.join(runs)}")
             if name not in cache.results:
-                run(name, args.care, args.samples, cache)
-    (RESULTS / f"{STEM}.md").write_text(report(cache.results))
+                run(name, target, args.care, args.samples, cache)
+    (RESULTS / f"{target.stem}.md").write_text(report(cache.results, target))
 
 
 if __name__ == "__main__":
