@@ -214,6 +214,16 @@ cli-25-unitary+fit (keys 0.935 / 18, dev32 42.89, dev recall 30% / 2.102), it be
 its dev recall nll is 1.988 or lower (10% of the gap to the source) with accuracy 30% or more, its key NLL 0.967
 or lower (5% of the key gap above) with 16 or more exact, and its dev32 43.75 or lower (+2%); then the 25% test
 tables (benchmarks/passkey, benchmarks/choice_tasks, wiki-test 32) are rerun before the CLI takes it.
+
+cli-25-unitary+fit-cfq256 (issue 36; session of 2026-11-29, written before measuring): the fit's closed forms (o_proj's
+ridge solution before and after Adam, and the errors that pick the layer kept) sum over every query position of the
+64 x 1024 fit tokens, about a fifth of a 25% conversion's time (benchmarks/results/fit_cost.md: 407 of 1850 s), while
+Adam's loss already samples 256 queries per sequence. The CLI's 25% conversion (cli-25-unitary+fit) with the closed
+forms on one fixed sample of 256 query positions per sequence (FitSettings.closed_form_queries; still 16K tokens
+for a 576-wide least squares). Against cli-25-unitary+fit (keys 0.935 / 18, dev32 42.89, dev recall 30% / 2.102;
+source 0.301 / 15 and 58% / 0.964), it joins the CLI's 25% fit (output_fit.RELATIVE_FIT) only at today's quality:
+dev32 43.32 or lower (+1%), key NLL 0.967 or lower (5% of the key gap above) with 17 or more exact, dev recall nll
+2.159 or lower (5% of its gap above), and a conversion shorter than the default's on this CPU.
 """
 
 from __future__ import annotations
@@ -396,6 +406,11 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                           {"rotation": "unitary"},
                                           "cli-25-unitary+fit+distill with two spans of each training sequence "
                                           "repeated later (data.repeated_spans 2): the teacher reads back far"),
+    "cli-25-unitary+fit-cfq256": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
+                                   "fit_settings": dict(REL_FIT, steps=200, queries=256, closed_form_queries=256)},
+                                  {"rotation": "unitary"},
+                                  "cli-25-unitary+fit (the CLI's 25%) with the closed forms on 256 sampled query positions "
+                                  "per sequence (of 1024)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
