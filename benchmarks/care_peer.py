@@ -188,8 +188,9 @@ def text_spec(text: str) -> str:
     return text
 
 
-def measure(model, tok, target: Target) -> dict:
-    """Test perplexity on each text, then (target.tasks) the key probe and the recall task."""
+def measure(model, tok, target: Target, save=lambda partial: None) -> dict:
+    """Test perplexity on each text, then (target.tasks) the key probe and the recall task; save(what is measured
+    so far) after each text (a stopped run keeps those)."""
     from transmla.data.calib import tokenize_text
     from transmla.data.texts import load_text
     from transmla.eval.choice_tasks import ChoiceSettings, recall_items, score_items
@@ -205,6 +206,7 @@ def measure(model, tok, target: Target) -> dict:
             out["perplexity"][text] = perplexity(model, ids, seq_len=SEQ, max_windows=target.windows,
                                                  progress=False).perplexity
             log(f"{text}: {out['perplexity'][text]:.3f}")
+            save(out)
         if target.tasks:
             probe = key_probe(model, tok, PasskeySettings(**PROBE), PROBE_LENGTHS)
             out["keys"] = {k: probe[k] for k in ("nll", "exact", "keys")}
@@ -239,12 +241,52 @@ def run(name: str, target: Target, care: Path | None, samples: int, cache: Resul
         row |= {"fraction": fraction, "shape": f"{rank} + {mqa}", "convert_seconds": round(time.perf_counter() - start, 1),
                 "care": {"commit": CARE_COMMIT, "kv_lora_rank": rank, "qk_mqa_dim": mqa, "freqfold": FREQFOLD,
                          "damping": DAMPING, "samples": samples, "seq": CAL_SEQ, "method": "care", "dtype": "fp32"}}
-    row |= measure(model, tok, target)
+    def save(partial: dict) -> None:
+        cache.results[name] = row | partial | {"partial": True, "load_after": round(os.getloadavg()[0], 2)}
+        cache.save()
+
+    row |= measure(model, tok, target, save)
     row["load_after"] = round(os.getloadavg()[0], 2)
     row["date"] = time.strftime("%Y-%m-%d %H:%M")
     cache.results[name] = row
     cache.save()
     log(f"{name}: {row['perplexity']} keys {row.get('keys')} recall {row.get('recall')}")
+
+
+def screen(target: Target, care: Path, shapes: list[tuple[int, int]], samples: int, windows: int,
+           cache: ResultCache) -> None:
+    """CARE at each (kv_lora_rank, qk_mqa_dim) with `samples` calibration sequences, and the source: wiki perplexity
+    on the first `windows` windows (a quick look at which shapes CARE's code converts sanely)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transmla.checkpoint.resolve import resolve_model_dir
+    from transmla.data.calib import tokenize_text
+    from transmla.data.texts import load_text
+    from transmla.eval.perplexity import perplexity
+
+    source_dir = resolve_model_dir(target.model)
+    rows = cache.results.setdefault("screen", {})
+
+    def wiki(model, tok) -> float:
+        with torch.no_grad():
+            ids = tokenize_text(tok, load_text("wiki", "eval"))
+            return perplexity(model, ids, seq_len=SEQ, max_windows=windows, progress=False).perplexity
+
+    key = f"source x{windows}"
+    if key not in rows:
+        rows[key] = {"wiki": wiki(AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval(),
+                                  AutoTokenizer.from_pretrained(source_dir)), "machine": machine()}
+        cache.save()
+    for rank, mqa in shapes:
+        key = f"{rank} + {mqa}, {samples} samples x{windows}"
+        if key in rows:
+            continue
+        start = time.perf_counter()
+        model, tok = care_model(care / "src", source_dir, rank, mqa, samples)
+        rows[key] = {"rank": rank, "qk_mqa_dim": mqa, "samples": samples, "windows": windows, "wiki": wiki(model, tok),
+                     "seconds": round(time.perf_counter() - start, 1), "machine": machine()}
+        cache.save()
+        log(f"CARE {key}: wiki {rows[key]['wiki']:.2f}")
 
 
 def referenced(target: Target) -> dict:
@@ -300,15 +342,44 @@ def report(results: dict, target: Target) -> str:
         if r is None:
             continue
         ppl = r["perplexity"]
-        cells = [f"{ppl[t]:.2f}" + (f" ({ppl[t] / src['perplexity'][t]:.2f}x)" if src and name != "source" else "")
-                 for t in target.texts]
+        cells = [("not measured" if t not in ppl else f"{ppl[t]:.2f}" + (
+                     f" ({ppl[t] / src['perplexity'][t]:.2f}x)" if src and name != "source" else "")) for t in target.texts]
         if tasks:
-            keys, rec = r["keys"], r["recall"]
-            cells += [f"{keys['nll']:.3f} / {keys['exact']}", f"{rec['acc']:.0%} / {rec['nll']:.3f}"]
+            keys, rec = r.get("keys"), r.get("recall")
+            cells += [f"{keys['nll']:.3f} / {keys['exact']}" if keys else "not measured",
+                      f"{rec['acc']:.0%} / {rec['nll']:.3f}" if rec else "not measured"]
         env = r["machine"]
         lines.append(f"| {name} | {r['fraction']:.0%} | {r['shape']} | {' | '.join(cells)} | {r.get('convert_seconds', '-')} | "
                      f"{env['machine']}, {env['threads']} thread(s), load {env['load_average']}-{r['load_after']} |")
+    stopped = [n for n in order if results.get(n, {}).get("partial")]
+    if stopped:
+        lines += ["", "Stopped before every text was measured: " + "; ".join(
+            n + (f" ({results[n]['note']})" if results[n].get("note") else "") for n in stopped) + "."]
+    rows = results.get("screen")
+    if rows:
+        src_keys = {k.split(" x")[1]: v["wiki"] for k, v in rows.items() if k.startswith("source")}
+        lines += ["", "Screen (`--screen`): CARE with few calibration sequences at several shapes, wiki perplexity on the "
+                  "first windows (x: over the source's on the same windows); CARE's own script for this model family "
+                  "keeps 256 + 64.", "", "| CARE shape (latent + rope) | cache | samples | windows | wiki | seconds |",
+                  "|---|---|---|---|---|---|"]
+        for k, v in rows.items():
+            if k.startswith("source"):
+                continue
+            ref = src_keys.get(str(v["windows"]))
+            ratio = f" ({v['wiki'] / ref:.2f}x)" if ref else ""
+            lines.append(f"| {v['rank']} + {v['qk_mqa_dim']} | {(v['rank'] + v['qk_mqa_dim']) / target_elements(target):.1%} | "
+                         f"{v['samples']} | {v['windows']} | {v['wiki']:.2f}{ratio} | {v['seconds']} |")
+        lines += ["", "Source on the same windows: " + ", ".join(f"{w} windows {p:.2f}" for w, p in src_keys.items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def target_elements(target: Target) -> int:
+    """The source's cached elements per token per layer."""
+    from transmla.checkpoint.resolve import resolve_model_dir
+    from transmla.families import attention_geometry
+    from transformers import AutoConfig
+
+    return attention_geometry(AutoConfig.from_pretrained(resolve_model_dir(target.model))).kv_elements_per_token_per_layer
 
 
 def main() -> None:
@@ -317,17 +388,24 @@ def main() -> None:
     parser.add_argument("--runs", help="comma-separated runs (default: all of the model's; --help of a model lists none)")
     parser.add_argument("--care", type=Path, help="a checkout of FutureMLS-Lab/CARE (its src is imported)")
     parser.add_argument("--samples", type=int, default=128, help="CARE's calibration sequences of 256 tokens")
+    parser.add_argument("--screen", help="CARE shapes to screen instead of the runs, e.g. 256+64,96+32 (with --samples)")
+    parser.add_argument("--screen-windows", type=int, default=2, help="wiki windows of the screen")
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     args = parser.parse_args()
     target = TARGETS[args.model]
     runs = [*([] if target.reference else ["source"]), *[n for n in target.cli_runs if not target.reference],
             *target.care_runs]
     cache = ResultCache(RESULTS / f"{target.stem}.json")
-    if not args.report:
+    if args.screen and not args.report:
+        if args.care is None:
+            parser.error("--screen needs --care DIR")
+        shapes = [tuple(int(v) for v in shape.split("+")) for shape in args.screen.split(",")]
+        screen(target, args.care, shapes, args.samples, args.screen_windows, cache)
+    elif not args.report:
         for name in [n for n in (args.runs or ",".join(runs)).split(",") if n]:
             if name not in runs:
                 parser.error(f"unknown run {name} for {target.model}; choose from {', '.join(runs)}")
-            if name not in cache.results:
+            if name not in cache.results or cache.results[name].get("partial"):
                 run(name, target, args.care, args.samples, cache)
     (RESULTS / f"{target.stem}.md").write_text(report(cache.results, target))
 
