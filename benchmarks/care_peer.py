@@ -4,6 +4,8 @@ models and texts beside the CLI's conversions at the same cache per token (issue
     .venv/bin/python -m benchmarks.care_peer --care DIR                    # SmolLM2 at 50% and 25%
     .venv/bin/python -m benchmarks.care_peer --care DIR --runs care-0.25   # some runs
     .venv/bin/python -m benchmarks.care_peer --care DIR --model qwen2.5-coder-1.5b   # the real 1.5B at 25%
+    .venv/bin/python -m benchmarks.care_peer --care DIR --model qwen2.5-coder-1.5b --screen 256+64,96+32 --samples 8
+                                                       # CARE at some shapes, few sequences, 2 wiki windows
     .venv/bin/python -m benchmarks.care_peer --report                      # only the table
 
 DIR is a checkout of FutureMLS-Lab/CARE (commit c3c2126; never copied into this repository); its `src` is
