@@ -821,7 +821,14 @@ the 50% fit's far term (AMD EPYC, one core, the other running the test suite; 28
 keys 1.097 / 13 exact (the default 0.935 / 18), dev32 43.64 (+1.7%), dev recall 27% / 2.203 (the default 30% /
 2.102): worse on every measure, so it fails its rule and the 25% fit keeps no far term (output_fit.FAR_MIN_BUDGET
 stays 0.5). At 25% the latent (64 + 32) has too little room for the far term to buy recall with: fitting the
-far-back attention takes it from the near tokens and the keys without reaching what recall reads."""
+far-back attention takes it from the near tokens and the keys without reaching what recall reads.
+cli-25-unitary+fit-cfq256 (issue 36; session of 2026-11-29; its rule is above, written before it ran). The closed forms
+on 256 sampled query positions per sequence (AMD EPYC, one core, the other running CARE and then the test suite):
+keys 0.986 / 19 exact (the default 0.935 / 18), dev32 43.32 (at its +1% limit), dev recall 28% / 2.116 (30% / 2.102);
+the conversion 2282 s against 2295 s, about 1% shorter where fit_cost's stage clock had put the closed forms at a
+fifth of the time. It fails its rule on the key NLL (0.967 or lower) and buys almost no time: the closed forms'
+cost is not in the query count (the latent, the kv_b expansion and the sums over all 1024 keys stay; or the load
+differs between the runs: not separated). The CLI's closed forms keep every query."""
 
 
 def report(results: dict) -> str:
