@@ -100,6 +100,12 @@ OUT_JSON = RESULTS / "calib_mix.json"
 OUT_MD = RESULTS / "calib_mix.md"
 
 
+def eval_text_spec(text: str) -> str:
+    """What `transmla eval --data` (and load_text) reads for a text of the 1.5B's tables: a built-in name as it is,
+    `licences` as the Debian licence texts' file."""
+    return str(held_out_texts()["licences"]) if text == "licences" else text
+
+
 def held_out_texts() -> dict[str, Path]:
     """The held-out domains, {code_calib} and {lee_calib} as text files (written once): the built-in
     `code` text's two parts (stdlib modules n..z and a..m), Debian's licence texts and lee's

@@ -181,15 +181,6 @@ def care_model(care_src: Path, source_dir: Path, kv_lora_rank: int, qk_mqa_dim: 
     return model.eval(), tok
 
 
-def text_spec(text: str) -> str:
-    """What load_text reads for a text of the tables: a built-in name, or the licence texts' file."""
-    if text == "licences":
-        from .calib_mix import held_out_texts
-
-        return str(held_out_texts()["licences"])
-    return text
-
-
 def measure(model, tok, target: Target, save=lambda partial: None) -> dict:
     """Test perplexity on each text, then (target.tasks) the key probe and the recall task; save(what is measured
     so far) after each text (a stopped run keeps those)."""
@@ -200,11 +191,13 @@ def measure(model, tok, target: Target, save=lambda partial: None) -> dict:
     from transmla.eval.passkey import PasskeySettings
     from transmla.eval.perplexity import perplexity
 
+    from .calib_mix import eval_text_spec
+
     out: dict = {"perplexity": {}}
     start = time.perf_counter()
     with torch.no_grad():
         for text in target.texts:
-            ids = tokenize_text(tok, load_text(text_spec(text), "eval"))
+            ids = tokenize_text(tok, load_text(eval_text_spec(text), "eval"))
             out["perplexity"][text] = perplexity(model, ids, seq_len=SEQ, max_windows=target.windows,
                                                  progress=False).perplexity
             log(f"{text}: {out['perplexity'][text]:.3f}")
@@ -387,7 +380,7 @@ def target_elements(target: Target) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=list(TARGETS), help="the source model")
-    parser.add_argument("--runs", help="comma-separated runs (default: all of the model's; --help of a model lists none)")
+    parser.add_argument("--runs", help="comma-separated runs (default: every run of --model not yet measured)")
     parser.add_argument("--care", type=Path, help="a checkout of FutureMLS-Lab/CARE (its src is imported)")
     parser.add_argument("--samples", type=int, default=128, help="CARE's calibration sequences of 256 tokens")
     parser.add_argument("--screen", help="CARE shapes to screen instead of the runs, e.g. 256+64,96+32 (with --samples)")

@@ -85,11 +85,9 @@ def convert(run: str) -> tuple[Path, dict | None]:
 
 def evaluate(folder: Path, text: str, windows: int) -> dict:
     """`transmla eval` on a built-in text's evaluation part, or on the Debian licence texts (a file)."""
-    if text == "licences":
-        from .calib_mix import held_out_texts
+    from .calib_mix import eval_text_spec
 
-        text = str(held_out_texts()["licences"])
-    r = transmla_json("eval", str(folder), "--data", text, "--max-windows", str(windows))
+    r = transmla_json("eval", str(folder), "--data", eval_text_spec(text), "--max-windows", str(windows))
     return {k: r[k] for k in ("perplexity", "windows", "tokens", "kv_elements_per_token_per_layer") if k in r}
 
 
