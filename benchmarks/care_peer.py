@@ -12,7 +12,7 @@ DIR is a checkout of FutureMLS-Lab/CARE (commit c3c2126; never copied into this 
 imported as is, but for its one data container: its utils import `datasets` (Hugging Face's) for
 Dataset.from_dict / filter / set_transform around a list of strings, and datasets 5.2 with pyarrow 26 cannot
 even build a Dataset here (its fingerprint pickling fails on pyarrow's MonthDayNano); a stand-in with those four
-operations (_Rows below, the same row order, filtering and per-batch transform) takes its place.
+operations (peer_datasets.Rows: the same row order, filtering and per-batch transform) takes its place.
 
 CARE is run as its own scripts run it (scripts/qwen2.5-1.5B/run_care.sh): `partial_rope` (its RoRoPE with
 freqfold 4 and collapse = head_dim / qk_mqa_dim), then `low_rank_qkv` with --kv-decomp-method care (the
@@ -59,6 +59,7 @@ import torch
 from transmla.checkpoint.resolve import cache_root
 
 from .common import RESULTS, ResultCache, log, machine
+from .peer_datasets import Rows, datasets_stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
 CARE_COMMIT = "c3c2126"
@@ -102,59 +103,13 @@ TARGETS = {
 }
 
 
-class _Rows:
-    """What CARE's prepare_dataloader uses of a datasets.Dataset: from_dict, column_names, filter (a row
-    predicate), column access, set_transform (a batch transform), and the rows a DataLoader fetches."""
-
-    def __init__(self, columns: dict[str, list]) -> None:
-        self._columns, self._transform = columns, None
-
-    @classmethod
-    def from_dict(cls, columns: dict[str, list]) -> "_Rows":
-        return cls({k: list(v) for k, v in columns.items()})
-
-    @property
-    def column_names(self) -> list[str]:
-        return list(self._columns)
-
-    def __len__(self) -> int:
-        return len(next(iter(self._columns.values())))
-
-    def filter(self, keep) -> "_Rows":
-        rows = [i for i in range(len(self)) if keep({k: v[i] for k, v in self._columns.items()})]
-        return _Rows({k: [v[i] for i in rows] for k, v in self._columns.items()})
-
-    def set_transform(self, transform) -> None:
-        self._transform = transform
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return self._columns[key]
-        return self.__getitems__([key])[0]
-
-    def __getitems__(self, keys: list[int]) -> list[dict]:
-        # as datasets does: the transform on the batch, then one dict per row (the DataLoader collates them)
-        batch = {k: [v[i] for i in keys] for k, v in self._columns.items()}
-        batch = self._transform(batch) if self._transform else batch
-        return [{k: v[i] for k, v in batch.items()} for i in range(len(keys))]
-
-
-def _datasets_stand_in() -> None:
-    """`import datasets` in CARE's utils finds _Rows (it only names the module's types otherwise)."""
-    import types
-
-    module = types.ModuleType("datasets")
-    module.Dataset, module.DatasetDict = _Rows, dict
-    sys.modules["datasets"] = module
-
-
 def care_model(care_src: Path, source_dir: Path, kv_lora_rank: int, qk_mqa_dim: int, samples: int):
     """CARE's conversion of the source, in memory: its partial_rope then its low_rank_qkv (method care)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from transmla.data.texts import load_text
 
-    _datasets_stand_in()
+    datasets_stand_in()
     sys.path.insert(0, str(care_src))
     from cli.convert import parse_args  # CARE's own CLI, for its defaults
     from lora_qkv import low_rank_qkv
@@ -173,7 +128,7 @@ def care_model(care_src: Path, source_dir: Path, kv_lora_rank: int, qk_mqa_dim: 
                        str(samples), "--seed", str(SEED), "--ppl-eval-batch-size", "0"])
     kwargs = vars(args) | {"collapse": int(args.collapse)}
     paragraphs = [p for p in load_text("wiki", "calib").split("\n\n") if p.strip()]
-    train = prepare_dataloader(dataset=_Rows.from_dict({"text": paragraphs}), tokenizer=tok,
+    train = prepare_dataloader(dataset=Rows.from_dict({"text": paragraphs}), tokenizer=tok,
                                max_seqlen=CAL_SEQ, batch_size=CAL_BATCH, nsamples=samples, seed=SEED)
     with torch.no_grad():
         model = partial_rope(model, tok, train, None, **kwargs)
