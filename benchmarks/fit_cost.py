@@ -6,6 +6,7 @@ timed, on the built-in SmolLM2-135M, and the output fit's cost per layer under i
     .venv/bin/python -m benchmarks.fit_cost --variants      # also the fit of layers 2 and 12 under each setting
     .venv/bin/python -m benchmarks.fit_cost --attention     # expanded attention's values padded or not
     .venv/bin/python -m benchmarks.fit_cost --report        # only rewrite the table
+    .venv/bin/python -m benchmarks.fit_cost --jobs 1,2      # the CLI's conversion with --fit-jobs 1 and 2, wall and memory
 
 Stages (seconds summed over the layers, wall time of this process):
 - statistics: the calibration grams (calibrate._StatsAccumulator.add);
@@ -23,6 +24,16 @@ x, z and start layer) and records seconds and the relative output error on the f
 takes only values as wide as the keys): forward and backward over 2048 tokens per call (the fit's
 minibatch), and the forward alone of one sequence; best of 3. It set mla/attention.PAD_VALUES_MIN_ROWS.
 The machine (CPU, whether it has AMX or AVX-512 BF16), its threads and load are recorded with every row.
+--jobs J1,J2 runs `transmla convert smollm2-135m OUT --method transmla --kv-budget B --force --fit-jobs J` as a
+user does (its own process, torch's default threads, every core of the machine), one after another, and records
+its wall time, the peak memory of its process tree (the conversion and its fit workers: RSS summed, sampled every
+0.2 s) and the fit's mean output error after (config.json's record).
+Rule for --fit-jobs's default, written before measuring (session of 2026-11-29): 2 becomes the CLI's default on
+CPUs with two or more cores if, on the idle 2-core CPU, the default 25% conversion with --fit-jobs 2 takes at most
+75% of the wall time of --fit-jobs 1 with the fit's mean output error after within 2% of it and its process tree
+under 4 GB; otherwise --fit-jobs stays an option with these numbers. (The fits differ only by rounding: a worker
+computes on one thread, --fit-jobs 1 on torch's threads; on one thread the tensors are equal,
+tests/test_output_fit.py.)
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
@@ -159,6 +170,54 @@ def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
     }
 
 
+def _tree_rss_mib(root: int) -> float:
+    """RSS of process `root` and its descendants, MiB (/proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+        pid = int(status.parent.name)
+        children.setdefault(int(fields["PPid"]), []).append(pid)
+        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0])
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / 1024
+
+
+def jobs_row(budget: float, jobs: int, out: Path) -> dict:
+    """The CLI's conversion with --fit-jobs `jobs` in a process of its own: wall, peak tree memory, fit error."""
+    import json
+    import subprocess
+    import sys
+
+    cli = Path(sys.executable).with_name("transmla")
+    argv = ["convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget), "--force",
+            "--fit-jobs", str(jobs)]
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(cli), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0.0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss_mib(proc.pid))
+        time.sleep(0.2)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"transmla {' '.join(argv)} failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+    layers = json.loads((out / "config.json").read_text())["mla"]["method"]["layers"]
+    errors = [layer["output_error"] for layer in layers]
+    return {"command": "transmla " + " ".join(argv[:2] + ["OUT"] + argv[3:]), "fit_jobs": jobs,
+            "wall_seconds": round(wall, 1), "peak_tree_mib": round(peak), "output_error_after": round(
+                sum(e[1] for e in errors) / len(errors), 5),
+            "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "load_before": load,
+                                    "load_after": os.getloadavg()[0]}}
+
+
 ATTENTION_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -192,7 +251,8 @@ def attention_rows() -> dict:
 
 def report(rows: dict) -> str:
     attention = {k: r for k, r in rows.items() if k.startswith("attention|")}
-    rows = {k: r for k, r in rows.items() if k not in attention}
+    jobs = {k: r for k, r in rows.items() if k.startswith("jobs|")}
+    rows = {k: r for k, r in rows.items() if k not in attention and k not in jobs}
     lines = ["# Where a conversion's time goes (SmolLM2-135M, TransMLA, the CLI's defaults)", "",
              "Made by `python -m benchmarks.fit_cost` (stages in its docstring). Seconds are wall time of the",
              "conversion process; threads and load as recorded.", "",
@@ -213,6 +273,15 @@ def report(rows: dict) -> str:
             m = rows[key]["machine"]
             lines.append(f"| {m.get('cpu', m.get('machine'))} ({'yes' if m['cpu_flags']['amx'] else 'no'}) | {v['layer']} | "
                          f"{v['setting']} | {v['seconds']:.1f} | {v['output_error'][0]:.4f} -> {v['output_error'][1]:.4f} | {v['fit_lr']} |")
+    if jobs:
+        lines += ["", "## Fit jobs (`--jobs`): the CLI's conversion as a user runs it, with --fit-jobs 1 and 2", "",
+                  "| conversion | CPU | torch threads, load | wall min | peak memory of the process tree MiB | "
+                  "fit's mean output error after |", "|---|---|---|---|---|---|"]
+        for r in jobs.values():
+            m = r["machine"]
+            lines.append(f"| {r['command']} | {m.get('cpu', m.get('machine'))} | {m['threads']}, {m['load_before']:.1f}-"
+                         f"{m['load_after']:.1f} | {r['wall_seconds'] / 60:.1f} | {r['peak_tree_mib']} | "
+                         f"{r['output_error_after']:.4f} |")
     for key, r in attention.items():
         m = r["machine"]
         lines += ["", "## Expanded attention: values as they are or zero-padded to the keys' width (`--attention`)", "",
@@ -233,6 +302,7 @@ def main(argv=None) -> int:
     parser.add_argument("--per-layer-rope", action="store_true", help="the native shape (default: the CLI's exportable one)")
     parser.add_argument("--variants", action="store_true", help="also fit layers 2 and 12 under each FIT_VARIANTS setting")
     parser.add_argument("--attention", action="store_true", help="only time SDPA with values padded or not")
+    parser.add_argument("--jobs", help="comma-separated --fit-jobs values: the CLI's conversion with each, in a process of its own")
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     parser.add_argument("--out", type=Path, default=Path(".cache/fit-cost"))
     args = parser.parse_args(argv)
@@ -242,6 +312,13 @@ def main(argv=None) -> int:
         row = attention_rows()
         rows[f"attention|{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['machine']['threads']}"] = row
         cache.save()
+    elif args.jobs and not args.report:
+        for jobs in (int(j) for j in args.jobs.split(",")):
+            row = jobs_row(args.budget, jobs, args.out)
+            rows[f"jobs|{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}"] = row
+            cache.save()
+            log(f"{row['command']}: {row['wall_seconds'] / 60:.1f} min, {row['peak_tree_mib']} MiB, "
+                f"error after {row['output_error_after']}")
     elif not args.report:
         row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"

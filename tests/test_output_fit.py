@@ -541,3 +541,37 @@ def test_cli_fit_at_a_quarter_of_the_cache_has_relative_rates(tiny_factory):
     list(quarter)
     errors = [info["output_error"] for info in quarter.infos]
     assert all(after < before for before, after in errors), errors
+
+
+def test_fit_jobs_fit_layers_in_worker_processes_as_one_thread_would(tiny_factory):
+    """fit_jobs 2: each layer's fit runs in a worker process (one thread) while the stream goes on; the layers come
+    out in order, every tensor and record equal to a one-thread conversion's in this process, the far term's
+    source attention included (it reaches the worker pickled). fit_jobs below 1 is refused."""
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    half_plan = TransMLAPlan(kv_lora_rank=12, rope_dim=4, freqfold="auto")  # layer 1 fits the far term
+    ids = _ids(3, 2, output_fit.FAR_TOKENS + 40)
+
+    def stream(jobs):
+        options = ConvertOptions.of(method="transmla", device="cpu", fit_steps=3, fit_jobs=jobs)
+        return LayerStream(get_method("transmla"), path, config, options, progress=False, calib_ids=_ids(1, 2, 32),
+                           plan=half_plan, fit_ids=ids)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = stream(1)
+        one_layers = list(one)
+    finally:
+        torch.set_num_threads(threads)
+    two = stream(2)
+    assert two.fit.far and two._fit_jobs() == 2
+    two_layers = list(two)
+    assert len(two_layers) == len(one_layers) == config.num_hidden_layers
+    for a, b in zip(one_layers, two_layers):
+        assert a.state_dict("").keys() == b.state_dict("").keys()
+        for k, v in a.state_dict("").items():
+            assert torch.equal(v, b.state_dict("")[k]), k
+    assert two.infos == one.infos and all("output_error" in info for info in two.infos)
+    with pytest.raises(ValueError, match="fit_jobs must be at least 1, got 0"):
+        ConvertOptions.of(method="transmla", device="cpu", fit_jobs=0)

@@ -252,12 +252,21 @@ def _filled(like: torch.Tensor, batch_size: int, batch) -> torch.Tensor:
     return out
 
 
-def _masked_attention(layer, cos_sin, position_ids):
-    """The source layer's attention on its input x [n, T, D] under a given mask [1, 1, T, T] (bool, True = attend)."""
-    def attend(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+class MaskedSourceAttention:
+    """The source layer's attention on its input x [n, T, D] under a given mask [1, 1, T, T] (bool, True = attend).
+    A class, not a closure: a fit in a worker process (pipeline.LayerStream, fit_jobs) receives it pickled."""
+
+    def __init__(self, attention, cos_sin, position_ids) -> None:
+        self.attention, self.cos_sin, self.position_ids = attention, cos_sin, position_ids
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(False), torch.no_grad():
-            return layer.self_attn(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=position_ids)[0]
-    return attend
+            return self.attention(x, position_embeddings=self.cos_sin, attention_mask=mask,
+                                  position_ids=self.position_ids)[0]
+
+
+def _masked_attention(layer, cos_sin, position_ids) -> MaskedSourceAttention:
+    return MaskedSourceAttention(layer.self_attn, cos_sin, position_ids)
 
 
 def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

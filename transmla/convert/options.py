@@ -56,10 +56,19 @@ class CalibrationOptions:
         "Default: the method's own (200 for transmla, 0 for mha2mla); 0 turns it off.",
     )
 
+    fit_jobs: int = option(
+        1, "Layers whose output-aware fit runs at once, each in a worker process with one thread, while this process "
+        "streams the next layers (with 'original' propagation the layers' fits are independent; the fitted tensors are "
+        "those of a one-thread conversion). 1: every fit in this process, with torch's threads. Each job holds one "
+        "layer's fit sequences (their attention input and output) in memory.",
+    )
+
     def __post_init__(self) -> None:
         pick_device(self.device)  # cuda without a GPU fails here, before any work (every method)
         if self.fit_steps is not None and self.fit_steps < 0:
             raise ValueError(f"fit_steps must be 0 (off) or positive, got {self.fit_steps}")
+        if self.fit_jobs < 1:
+            raise ValueError(f"fit_jobs must be at least 1, got {self.fit_jobs}")
         if self.propagate is not None and self.propagate not in PROPAGATIONS:
             raise ValueError(f"propagate must be one of {', '.join(PROPAGATIONS)}, got {self.propagate!r}")
         for name in ("calib_samples", "calib_seq_len"):

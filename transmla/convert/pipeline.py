@@ -8,8 +8,12 @@ other tensor is copied through unchanged (cast to the output dtype). Output appe
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,6 +148,7 @@ class LayerStream:
         elif cal.fit_steps:
             raise ValueError(f"fit_steps needs a calibrated method; {method.name} converts without calibration")
         self.fit = fit
+        self.fit_jobs = cal.fit_jobs
 
     def _convert(self, index: int, src: SourceAttention, stats) -> MLALayer:
         """The method sees a QK-norm source as its plain linear form (qk_norm.py)."""
@@ -160,14 +165,45 @@ class LayerStream:
         self.infos[index] = {**self.infos[index], **info}
         return layer
 
+    def _fit_jobs(self) -> int:
+        """Worker processes for the fits: fit_jobs where the fits are independent (original propagation, on
+        the CPU), else none (1: every fit in this process)."""
+        jobs = self.fit_jobs if self.fit_ids is not None and self.propagate == "original" and self.device == "cpu" else 1
+        return jobs if jobs > 1 else 1
+
+    def _fitted_in_order(self, pool, layers: Iterable) -> Iterator[MLALayer]:
+        """The layers of `layers` (each a _PendingFit), fitted by `pool` and yielded in order; at most
+        pool jobs + 1 fits are pending (each holds its layer's fit sequences), so this process streams the
+        next layer while the workers fit."""
+        pending: deque[_PendingFit] = deque()
+        for item in layers:
+            pending.append(item)
+            while pending and (len(pending) > self._fit_jobs() or pending[0].future.done()):
+                yield self._resolved(pending.popleft())
+        while pending:
+            yield self._resolved(pending.popleft())
+
+    def _resolved(self, item: "_PendingFit") -> MLALayer:
+        layer, info = item.future.result()
+        self.infos[item.index] = {**self.infos[item.index], **info}
+        return layer
+
     def __iter__(self) -> Iterator[MLALayer]:
         start = time.perf_counter()
         if self.needs.calibration:
-            yield from calibrated_layers(
-                self.source_dir, self.config, self.calib_ids, self._convert, propagate=self.propagate,
-                pair_norms=self.needs.pair_norms, device=self.device, progress=self.progress,
-                fit_ids=self.fit_ids, fit_layer=self._fit if self.fit_ids is not None else None,
-            )
+            jobs = self._fit_jobs()
+            with _fit_pool(jobs) as pool:
+                def submit(index, layer, x, z, source_attention) -> _PendingFit:
+                    return _PendingFit(index, pool.submit(_fit_one_thread, self.config, layer, x, z, self.fit, index,
+                                                          source_attention))
+
+                layers = calibrated_layers(
+                    self.source_dir, self.config, self.calib_ids, self._convert, propagate=self.propagate,
+                    pair_norms=self.needs.pair_norms, device=self.device, progress=self.progress,
+                    fit_ids=self.fit_ids,
+                    fit_layer=None if self.fit_ids is None else self._fit if pool is None else submit,
+                )
+                yield from (layers if pool is None else self._fitted_in_order(pool, layers))
         else:
             for i, src in enumerate(source_layers(self.source_dir, self.config)):
                 yield self._convert(i, src, None)
@@ -181,6 +217,34 @@ class LayerStream:
     def record(self) -> dict:
         """The method's part of config.json's "mla.method" block."""
         return method_record(self.method, self.plan, self.infos, self.calibration)
+
+
+@dataclass
+class _PendingFit:
+    """One layer's fit, submitted to the fit pool (LayerStream, fit_jobs > 1)."""
+
+    index: int
+    future: Future
+
+
+def _fit_one_thread(config, layer: MLALayer, x, z, settings: FitSettings, index: int, source_attention):
+    """output_fit.fit_layer in a worker process, on one thread (so the fitted tensors equal a one-thread run's)."""
+    torch.set_num_threads(1)
+    return fit_layer(config, layer, x, z, settings, index, source_attention)
+
+
+@contextmanager
+def _fit_pool(jobs: int):
+    """A pool of `jobs` worker processes (spawned: a forked child of a process that ran OpenMP threads may hang),
+    or None for jobs 1. Leaving it cancels the fits not yet started (a failed or interrupted conversion)."""
+    if jobs <= 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def method_record(method: ConversionMethod, plan, infos: list[dict] = (), calibration: dict | None = None) -> dict:
