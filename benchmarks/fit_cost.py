@@ -41,6 +41,8 @@ output error after 0.13654 and 0.13653; memory 1.45 GB against 3.05 GB (PSS summ
 sampler's code is what _tree_memory_mib now does). The rule fails: --fit-jobs stays an option, default 1. Two
 torch threads already split the fit's products well on this CPU, so two one-thread workers buy less than the
 cores' count suggests.
+Written next, before measuring (same session, 13:43): the same rule for --fit-jobs 2 with the converting process
+itself on one thread while its workers fit (it had kept torch's two threads: three busy processes on two cores).
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the

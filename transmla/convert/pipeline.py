@@ -236,14 +236,18 @@ def _fit_one_thread(config, layer: MLALayer, x, z, settings: FitSettings, index:
 @contextmanager
 def _fit_pool(jobs: int):
     """A pool of `jobs` worker processes (spawned: a forked child of a process that ran OpenMP threads may hang),
-    or None for jobs 1. Leaving it cancels the fits not yet started (a failed or interrupted conversion)."""
+    or None for jobs 1; meanwhile this process computes on one thread. Leaving it cancels the fits not yet started
+    (a failed or interrupted conversion)."""
     if jobs <= 1:
         yield None
         return
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers take the cores; this process streams on one thread beside them
     try:
         yield pool
     finally:
+        torch.set_num_threads(threads)
         pool.shutdown(wait=True, cancel_futures=True)
 
 
