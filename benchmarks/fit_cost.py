@@ -43,6 +43,9 @@ torch threads already split the fit's products well on this CPU, so two one-thre
 cores' count suggests.
 Written next, before measuring (same session, 13:43): the same rule for --fit-jobs 2 with the converting process
 itself on one thread while its workers fit (it had kept torch's two threads: three busy processes on two cores).
+Measured: 10.9 min again (82% of 13.3), error 0.13653, 3.12 GB (PSS, the table's row): the rule fails again, the
+default stays 1. The conversion's own streaming was not what held the workers back; the two workers' fits take
+about as long as one process's fits on two threads.
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
