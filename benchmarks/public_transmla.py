@@ -32,6 +32,7 @@ Writes benchmarks/results/public_transmla_gemma3.{json,md}, with the CPU and the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import tempfile
@@ -94,8 +95,6 @@ def run(name: str, args, cache: ResultCache) -> None:
         seconds = round(time.perf_counter() - start, 1)
         if not out.is_file():
             raise SystemExit(f"{name}: the worker wrote nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
-        import json
-
         row = json.loads(out.read_text())
     row |= {"fraction": fraction, "shape": f"{rank} + {rope}", "wall_seconds": seconds, "windows": args.windows,
             "commit": COMMIT, "machine": env, "load_after": round(os.getloadavg()[0], 2),

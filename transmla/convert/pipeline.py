@@ -168,17 +168,16 @@ class LayerStream:
     def _fit_jobs(self) -> int:
         """Worker processes for the fits: fit_jobs where the fits are independent (original propagation, on
         the CPU), else none (1: every fit in this process)."""
-        jobs = self.fit_jobs if self.fit_ids is not None and self.propagate == "original" and self.device == "cpu" else 1
-        return jobs if jobs > 1 else 1
+        return self.fit_jobs if self.fit_ids is not None and self.propagate == "original" and self.device == "cpu" else 1
 
-    def _fitted_in_order(self, pool, layers: Iterable) -> Iterator[MLALayer]:
-        """The layers of `layers` (each a _PendingFit), fitted by `pool` and yielded in order; at most
-        pool jobs + 1 fits are pending (each holds its layer's fit sequences), so this process streams the
+    def _fitted_in_order(self, jobs: int, layers: Iterable) -> Iterator[MLALayer]:
+        """The layers of `layers` (each a _PendingFit), fitted by a pool of `jobs` workers and yielded in order; at
+        most jobs + 1 fits are pending (each holds its layer's fit sequences), so this process streams the
         next layer while the workers fit."""
         pending: deque[_PendingFit] = deque()
         for item in layers:
             pending.append(item)
-            while pending and (len(pending) > self._fit_jobs() or pending[0].future.done()):
+            while pending and (len(pending) > jobs or pending[0].future.done()):
                 yield self._resolved(pending.popleft())
         while pending:
             yield self._resolved(pending.popleft())
@@ -203,7 +202,7 @@ class LayerStream:
                     fit_ids=self.fit_ids,
                     fit_layer=None if self.fit_ids is None else self._fit if pool is None else submit,
                 )
-                yield from (layers if pool is None else self._fitted_in_order(pool, layers))
+                yield from (layers if pool is None else self._fitted_in_order(jobs, layers))
         else:
             for i, src in enumerate(source_layers(self.source_dir, self.config)):
                 yield self._convert(i, src, None)
