@@ -46,6 +46,11 @@ itself on one thread while its workers fit (it had kept torch's two threads: thr
 Measured: 10.9 min again (82% of 13.3), error 0.13653, 3.12 GB (PSS, the table's row): the rule fails again, the
 default stays 1. The conversion's own streaming was not what held the workers back; the two workers' fits take
 about as long as one process's fits on two threads.
+Rule for bf16 on CPUs with AVX-512 BF16 and no AMX, written before measuring (session of 2026-12-05, an AMD
+EPYC with AVX-512 BF16, where a bare bf16 product ran 4-8x faster than fp32 at the fit's shapes): the CLI fits
+in bf16 on such a CPU when dtypes.cpu_bf16_speedup() (a product and its backward, timed at start) is at least
+1.5x; this stays if, in `--variants` on that EPYC, the bf16 fits of layers 2 and 12 are at least 1.3x faster than
+fp32 at the same tokens with output errors within 0.005 of fp32's (as on AMX); otherwise the probe goes.
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
