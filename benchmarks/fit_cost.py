@@ -51,6 +51,11 @@ EPYC with AVX-512 BF16, where a bare bf16 product ran 4-8x faster than fp32 at t
 in bf16 on such a CPU when dtypes.cpu_bf16_speedup() (a product and its backward, timed at start) is at least
 1.5x; this stays if, in `--variants` on that EPYC, the bf16 fits of layers 2 and 12 are at least 1.3x faster than
 fp32 at the same tokens with output errors within 0.005 of fp32's (as on AMX); otherwise the probe goes.
+Measured (2026-12-05, that EPYC, one thread, the other core building ik_llama.cpp, load 1.7): the probe 5-8x;
+the variants' bf16 fits 1.48-1.60x faster than fp32 (layer 2: 53.7 against 85.3 s at 2048 tokens, 34.4 against
+51.3 s at 1024; layer 12: 53.3 / 85.6, 32.2 / 47.7), output errors 0.0912 / 0.0965, 0.1044 / 0.1039,
+0.1486 / 0.1482, 0.1600 / 0.1591 (within 0.005): the rule holds, the probe stays. The CLI's 25% conversion
+there: 17.3 min (Adam 460 s, closed forms 280 s, the rest 281 s), against 31.3 min in fp32 on the AVX2 EPYC.
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the

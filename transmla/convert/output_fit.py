@@ -11,8 +11,8 @@ is the attention output. Per layer, with X [N, T, D] the attention input of the 
 2. every projection (query, kv_a, the latent norm, kv_b, o_proj and their biases; the rope
    frequencies fixed) by `steps` Adam steps on ||Attn_mla(X) - Z||^2 / ||Z||^2 over random
    minibatches of about FitSettings.minibatch_tokens tokens; their forward and backward passes run
-   under bf16 autocast where bf16 products pay (the CLI's choice, dtypes.fast_bf16_matmul: AMX CPUs and
-   GPUs; the same dev perplexity as fp32, benchmarks/results/output_fit.md and fit_cost.md);
+   under bf16 autocast where bf16 products pay (the CLI's choice, dtypes.fast_bf16_matmul: GPUs, AMX CPUs and
+   AVX-512 BF16 CPUs where a probe finds bf16 faster; the same dev perplexity as fp32, benchmarks/results/output_fit.md and fit_cost.md);
    At a quarter of the cache or less the CLI's Adam takes RELATIVE_FIT: each tensor's rate in units of its
    own RMS, warmup and a cosine decay, the loss on 256 sampled query positions per sequence;
 3. o_proj in closed form again (the optimum for the other projections as fitted).

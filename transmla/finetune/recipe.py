@@ -121,7 +121,8 @@ class TrainSpec(_Strict):
     micro_batch_size: int = Field(1, ge=1)  # sequences per forward pass (per process)
     grad_accum: int = Field(1, ge=1)  # forward passes per optimizer step
     # bf16: autocast; trainable weights and AdamW state stay fp32. auto: bf16 where bf16 products
-    # pay on the device (a CUDA GPU with bf16, a CPU with AMX: dtypes.fast_bf16_matmul), else fp32.
+    # pay on the device (a CUDA GPU with bf16, a CPU with AMX, or with
+    # AVX-512 BF16 where a probe measures bf16 faster: dtypes.fast_bf16_matmul), else fp32.
     precision: Literal["fp32", "bf16", "auto"] = "fp32"
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
     recompute_kv: bool = False  # MLA: recompute the K/V up-projection (and attention) in the backward pass
