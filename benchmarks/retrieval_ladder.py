@@ -224,6 +224,18 @@ for a 576-wide least squares). Against cli-25-unitary+fit (keys 0.935 / 18, dev3
 source 0.301 / 15 and 58% / 0.964), it joins the CLI's 25% fit (output_fit.RELATIVE_FIT) only at today's quality:
 dev32 43.32 or lower (+1%), key NLL 0.967 or lower (5% of the key gap above) with 17 or more exact, dev recall nll
 2.159 or lower (5% of its gap above), and a conversion shorter than the default's on this CPU.
+
+cli-25-unitary+fit-bf16 (issue 36; session of 2026-12-05, written before measuring). On an AMD EPYC with AVX-512
+BF16 and no AMX, bf16 products ran 5-8x faster than fp32 and the CLI's fit now runs Adam in bf16 there
+(dtypes.cpu_bf16_speedup; fit_cost: 17.3 min on one thread, Adam 460 s, closed forms 280 s, the source layers'
+forward and I/O 281 s). The same conversion with the rest of its products in bf16 too: the source layers' forward
+over the calibration and fit streams (calibrate.calibrated_layers' bf16: the fit's x and z), the closed forms'
+attention passes (their per-batch sums in float32, summed in float64) and the far targets; the residual stream,
+norms, statistics, losses and solutions stay float32 / float64. Against cli-25-unitary+fit (fp32, AVX2 EPYC: keys
+0.935 / 18, dev32 42.89, dev recall 30% / 2.102), it stays the CLI's way on such CPUs only at today's quality: dev32
+43.32 or lower (+1%), key NLL 0.967 or lower with 17 or more exact, dev recall nll 2.159 or lower; otherwise the
+streams and closed forms go back to float32 (Adam's bf16 stays: fit_cost's rule). Its conversion time is reported
+beside fit_cost's 17.3 min.
 """
 
 from __future__ import annotations
@@ -411,6 +423,11 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                   {"rotation": "unitary"},
                                   "cli-25-unitary+fit (the CLI's 25%) with the closed forms on 256 sampled query positions "
                                   "per sequence (of 1024)"),
+    "cli-25-unitary+fit-bf16": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
+                                 "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {"rotation": "unitary"},
+                                "cli-25-unitary+fit (the CLI's 25%) on a CPU where bf16 pays: Adam, the closed forms, "
+                                "the far targets and the source streams under bf16 autocast (the variant's own fit "
+                                "settings take bf16 from dtypes.fast_bf16_matmul, as the CLI)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
