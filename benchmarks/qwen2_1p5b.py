@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs source,lossless,transmla-0.25
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-shared   # exportable rope; biases dropped
     .venv/bin/python -m benchmarks.qwen2_1p5b --bias-ablation 2       # the source with its biases zeroed
+    .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-cli --tag epyc-bf16   # a row beside an earlier one
     .venv/bin/python -m benchmarks.qwen2_1p5b --report                # only the table
 
 A run is one model: `source` (the built-in, dequantized once from its Q4_K_M GGUF into fp32
@@ -169,14 +170,15 @@ def bias_ablation(windows: int) -> dict:
     return entry
 
 
-def run_one(results: ResultCache, run: str, windows: int, keep: bool) -> None:
-    """Convert (today's CLI defaults) and evaluate one run; the source gains only the texts it lacks."""
-    key = f"{run}@{windows}"
+def run_one(results: ResultCache, run: str, windows: int, keep: bool, tag: str | None = None) -> None:
+    """Convert (today's CLI defaults) and evaluate one run; the source gains only the texts it lacks. A tag
+    keeps the row beside an earlier one of the same run (another CPU, the defaults of another day)."""
+    key = f"{run}@{windows}" + (f"@{tag}" if tag else "")
     entry = results.results.get(key)
     if entry is not None and (run != "source" or all(text in entry for text in TEXTS)):
         return
     folder, cost = convert(run)
-    entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine()}
+    entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine(), **({"tag": tag} if tag else {})}
     for text in (t for t in TEXTS if t not in entry):
         log(f"evaluating {run} on {text} ({windows} windows)")
         start = time.perf_counter()
@@ -239,7 +241,8 @@ def report(results: dict) -> str:
         c = e.get("conversion")
         load = f"{c['load_before'][0]:.1f}" if c and c.get("load_before") else ""
         cost = f"{c['peak_rss_gb']} | {c['wall_s']} | {load}" if c else " | | "
-        lines.append(f"| {e['run']} | {calibration_label(e)} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | "
+        name = f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]
+        lines.append(f"| {name} | {calibration_label(e)} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | "
                      f"{' | '.join(cells)} | {e['windows']} | {cost} |")
     dropped = [e for e in rows if "drop_biases" in e]
     if dropped:
@@ -283,6 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--keep", action="store_true", help="keep the converted folders (7 GB each)")
     ap.add_argument("--report", action="store_true", help="only rewrite the Markdown table")
+    ap.add_argument("--tag", help="key the runs' rows apart from earlier rows of the same runs (e.g. the CPU)")
     ap.add_argument("--bias-ablation", type=int, metavar="W",
                     help="score the source with its attention biases zeroed on W windows per text (and nothing else)")
     args = ap.parse_args(argv)
@@ -291,7 +295,7 @@ def main(argv=None) -> int:
         results.cached(f"bias_ablation@{args.bias_ablation}", lambda: bias_ablation(args.bias_ablation) | {"machine": machine()})
     elif not args.report:
         for run in args.runs.split(","):
-            run_one(results, run.strip(), args.windows, args.keep)
+            run_one(results, run.strip(), args.windows, args.keep, args.tag)
     OUT_MD.write_text(report(results.results))
     print(OUT_MD.read_text())
     return 0

@@ -474,6 +474,8 @@ def measure(name: str, cache: ResultCache) -> None:
         from transmla.dtypes import fast_bf16_matmul
 
         fit = FitSettings(**options_kw["fit_settings"], seed=options.calibration.seed, bf16=fast_bf16_matmul("cpu"))
+        if name.endswith("+fit-bf16"):  # its streams, closed forms and far targets too (as the CLI's compressing fit)
+            fit = replace(fit, bf16_passes=fit.bf16)
     stream = LayerStream(method, b.src_dir, b.config, options, progress=True, keep_stages=True, fit_ids=fit_ids, fit=fit)
     if plan_kw:
         stream.plan = replace(stream.plan, **plan_kw)

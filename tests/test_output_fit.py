@@ -81,7 +81,7 @@ def test_fit_lowers_the_output_error_on_held_out_tokens(tiny_factory, family, bi
         assert fitted.infos[i]["output_error"][1] < fitted.infos[i]["output_error"][0]
     record = fitted.record()
     assert record["calibration"]["fit"] == {"steps": 60, "lr": 1e-3, "closed_form": True, "bf16": bf16,
-                                              "sequences": [64, 32], "repeated_spans": 0}
+                                              "bf16_passes": False, "sequences": [64, 32], "repeated_spans": 0}
 
 
 def _first_layer_io(tiny_factory, ids, family: str = "llama", bias: bool = False):
@@ -174,8 +174,10 @@ def test_fit_steps_defaults_and_errors(tiny_factory, cli, tmp_path):
     config = AutoConfig.from_pretrained(path)
     transmla = LayerStream(get_method("transmla"), path, config, ConvertOptions.of(method="transmla", device="cpu"),
                            progress=False, calib_ids=_ids(1, 4, 16), plan=PLAN)
-    # Adam under bf16 autocast exactly where the device multiplies bf16 natively; PLAN keeps 25%: relative rates
-    assert transmla.fit == FitSettings(steps=DEFAULT_FIT_STEPS, bf16=fast_bf16_matmul("cpu"), **output_fit.RELATIVE_FIT)
+    # Adam under bf16 autocast exactly where the device multiplies bf16 natively, and (PLAN compresses) the other
+    # passes too; PLAN keeps 25%: relative rates
+    fast = fast_bf16_matmul("cpu")
+    assert transmla.fit == FitSettings(steps=DEFAULT_FIT_STEPS, bf16=fast, bf16_passes=fast, **output_fit.RELATIVE_FIT)
     assert DEFAULT_FIT_STEPS > 0
     mha2mla = ConvertOptions.of(method="mha2mla", kv_budget=0.5, device="cpu")
     assert LayerStream(get_method("mha2mla"), path, config, mha2mla, progress=False, calib_ids=_ids(1, 4, 16)).fit is None
@@ -474,7 +476,7 @@ def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_fa
     assert half.calibration["fit"]["far_weight"] == output_fit.FAR_WEIGHT != FitSettings(steps=3).far_weight
     for other in (stream(PLAN, long_ids), stream(half_plan, short_ids)):
         assert other.fit.far == 0 and "far" not in other.calibration["fit"]
-    plain = stream(half_plan, long_ids, FitSettings(steps=3, bf16=half.fit.bf16))
+    plain = stream(half_plan, long_ids, FitSettings(steps=3, bf16=half.fit.bf16, bf16_passes=half.fit.bf16_passes))
     with_far, without = list(half), list(plain)
     for k in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj"):
         assert torch.equal(getattr(with_far[0], k), getattr(without[0], k)), k
@@ -533,7 +535,7 @@ def test_cli_fit_at_a_quarter_of_the_cache_has_relative_rates(tiny_factory):
                            plan=plan, fit_ids=ids)
 
     quarter, half = stream(PLAN), stream(half_plan)
-    expected = FitSettings(steps=30, seed=0, bf16=quarter.fit.bf16, **output_fit.RELATIVE_FIT)
+    expected = FitSettings(steps=30, seed=0, bf16=quarter.fit.bf16, bf16_passes=quarter.fit.bf16, **output_fit.RELATIVE_FIT)
     assert quarter.fit == expected and quarter.fit.queries == 256 and quarter.fit.relative_lr
     assert {k: quarter.calibration["fit"][k] for k in ("relative_lr", "schedule", "warmup", "queries")} == {
         "relative_lr": True, "schedule": "cosine", "warmup": 10, "queries": 256}
@@ -575,3 +577,62 @@ def test_fit_jobs_fit_layers_in_worker_processes_as_one_thread_would(tiny_factor
     assert two.infos == one.infos and all("output_error" in info for info in two.infos)
     with pytest.raises(ValueError, match="fit_jobs must be at least 1, got 0"):
         ConvertOptions.of(method="transmla", device="cpu", fit_jobs=0)
+
+
+def test_bf16_passes_only_where_the_conversion_compresses():
+    """The CLI's fit runs its closed forms, far targets and the source streams in bf16 only where bf16 pays and
+    the conversion compresses: an uncompressed (possibly exact) conversion keeps them in fp32 so that an exact
+    layer is seen exact."""
+    def settings(bf16, cache):
+        return output_fit.default_fit_settings(10, 0, bf16, cache, 32, 2, 64)
+
+    assert settings(True, 8).bf16_passes and settings(True, 8).bf16
+    assert not settings(True, 32).bf16_passes and settings(True, 32).bf16
+    assert not settings(False, 8).bf16_passes and not settings(True, None).bf16_passes
+
+
+def test_bf16_streams_give_the_fit_the_source_io_to_bf16_rounding(tiny_factory):
+    """calibrated_layers(bf16=True): the source layers' forward passes under bf16 autocast, so the fit's x and z
+    are the fp32 ones to bf16's rounding (and not bit-equal: the products really ran in bf16)."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    fit_ids = _ids(6, 3, 16)
+
+    def collected(bf16):
+        got = {}
+
+        def record(i, layer, x, z, attend):
+            got[i] = (x.clone(), z.clone())
+            return layer
+
+        for _ in calibrated_layers(path, config, _ids(1, 4, 16), lambda i, src, st: replicate(src), fit_ids=fit_ids,
+                                   fit_layer=record, progress=False, bf16=bf16):
+            pass
+        return got
+
+    exact, rounded = collected(False), collected(True)
+    assert torch.equal(rounded[0][0], exact[0][0])  # layer 0's input: the embeddings, before any product
+    for i in exact:
+        for k, (want, got) in enumerate(zip(exact[i], rounded[i])):
+            assert got.dtype == torch.float32 and (i == 0 and k == 0 or not torch.equal(got, want))
+            assert float((got - want).norm() / want.norm()) < 3e-2
+
+
+def test_bf16_closed_forms_give_the_fp32_fit_to_bf16_rounding(tiny_factory):
+    """The closed forms under bf16 autocast (float32 sums per batch): the errors they report, and the fp32 error of
+    the o_proj they solve for, are the fp32 closed form's to bf16's rounding."""
+    source, path = tiny_factory("llama")
+    config, stream = _stream(path, None)
+    layer = next(iter(stream))
+    x, z = _source_io(source, 0, FIT_IDS)
+    pos = torch.arange(x.shape[1])[None]
+    results = []
+    for bf16 in (False, True):
+        attn = mla_attention(config, layer, "cpu")
+        errors = refit_o_proj_errors(attn, x.clone(), z.clone(), pos, 16, None, bf16)
+        results.append((errors, output_error(attn, x, z, pos, 16)))  # the solution's error in fp32
+    ((before, after), solved), ((before_bf16, after_bf16), solved_bf16) = results
+    assert after < before and abs(before_bf16 - before) < 0.02 * before and abs(after_bf16 - after) < 0.05 * after
+    assert solved == pytest.approx(after, rel=1e-4) and solved <= solved_bf16 < 1.05 * solved

@@ -133,6 +133,7 @@ def calibrated_layers(
     device: str = "cpu",
     batch_tokens: int = BATCH_TOKENS,
     progress: bool = True,
+    bf16: bool = False,
 ) -> Iterator[MLALayer]:
     """Calibrate and convert layer by layer; yields each converted layer in order.
 
@@ -148,6 +149,8 @@ def calibrated_layers(
     under another mask (output_fit.py). It runs outside
     inference mode (it may train), on float32 copies.
     batch_tokens: tokens per forward pass of a stream (whole sequences, at least one).
+    bf16: the source layers' forward passes (the streams' propagation and the fit's x and z) under bf16 autocast
+    (the residual stream, norms and statistics stay float32): where bf16 products pay (dtypes.fast_bf16_matmul).
     """
     if propagate not in PROPAGATIONS:
         raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
@@ -180,7 +183,9 @@ def calibrated_layers(
             converted = convert_layer(i, src, stats)
             views = [(_rope_cos_sin(config, i, h.shape[1], device), _layer_mask(config, i, h.shape[1], device)) for h, _ in streams]
             if fit_layer is not None and propagate == "converted":  # the source attention's io before it is replaced
-                x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1], _sequences(streams[1][0], batch_tokens))
+                with _autocast(device, bf16):
+                    x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1],
+                                                _sequences(streams[1][0], batch_tokens))
                 with torch.inference_mode(False):
                     converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1]))
                 del x, z
@@ -205,7 +210,8 @@ def calibrated_layers(
                     hook = layer.self_attn.register_forward_hook(_writer(fit_x, fit_z), with_kwargs=True)
                 for start in range(0, h_all.shape[0], batch_size):
                     h = h_all[start : start + batch_size]
-                    out = layer(h, attention_mask=mask, position_ids=h_pos, position_embeddings=cos_sin)
+                    with _autocast(device, bf16):
+                        out = layer(h, attention_mask=mask, position_ids=h_pos, position_embeddings=cos_sin)
                     h_all[start : start + batch_size] = out[0] if isinstance(out, tuple) else out
                 if hook is not None:
                     hook.remove()
@@ -215,6 +221,10 @@ def calibrated_layers(
                 del fit_x, fit_z
             yield converted
             del layer
+
+
+def _autocast(device: str, bf16: bool):
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def _sequences(hidden: torch.Tensor, batch_tokens: int) -> int:

@@ -65,7 +65,12 @@ DEFAULT_FIT_CALIBRATION = (64, 1024)
 class FitSettings:
     steps: int  # Adam steps per layer (0: the closed-form o_proj only); the default is the method's (default_fit_steps)
     lr: float = 1e-3
-    bf16: bool = False  # Adam's forward and backward under bf16 autocast (fp32 weights, loss and closed forms)
+    bf16: bool = False  # Adam's forward and backward under bf16 autocast (fp32 weights and loss)
+    # The closed forms' attention passes (their per-batch sums float32, summed in float64) and the far targets under
+    # bf16 autocast, and the conversion's source streams too (LayerStream: calibrate.calibrated_layers' bf16, so the
+    # fit's x and z): the CLI's where bf16 pays and the conversion compresses. The errors that choose the layer kept
+    # then carry bf16's rounding, so an exact layer (nothing compressed) needs them off to be seen exact.
+    bf16_passes: bool = False
     closed_form: bool = True  # o_proj in closed form before and after Adam
     seed: int = 0
     minibatch_tokens: int = MINIBATCH_TOKENS  # tokens per Adam step (whole fit sequences)
@@ -138,11 +143,14 @@ def default_fit_settings(steps: int, seed: int, bf16: bool, cache_elements: int 
     at least what --kv-budget FAR_MIN_BUDGET keeps (cache_elements of the source's source_elements per
     token per layer; None: unknown, neither), fit sequences of fit_tokens > FAR_TOKENS + 1; with
     RELATIVE_FIT where it was chosen: a conversion that keeps at most what --kv-budget
-    RELATIVE_MAX_BUDGET keeps."""
+    RELATIVE_MAX_BUDGET keeps; bf16 (where bf16 products pay) for Adam, and for the other passes too when the
+    conversion compresses (FitSettings.bf16_passes; chosen on dev keys, recall and dev32, retrieval_ladder
+    cli-25-unitary+fit-bf16)."""
     known = cache_elements is not None
     far = known and cache_elements >= budget_elements(FAR_MIN_BUDGET, source_elements) and fit_tokens > FAR_TOKENS + 1
     relative = known and cache_elements <= budget_elements(RELATIVE_MAX_BUDGET, source_elements)
-    return FitSettings(steps=steps, seed=seed, bf16=bf16,
+    compresses = known and cache_elements < source_elements
+    return FitSettings(steps=steps, seed=seed, bf16=bf16, bf16_passes=bf16 and compresses,
                        **({"far": FAR_TOKENS, "far_weight": FAR_WEIGHT, "far_layers": far_layers_for(num_layers)}
                           if far else {}),
                        **(RELATIVE_FIT if relative else {}))
@@ -178,17 +186,22 @@ def mean_square(t: torch.Tensor) -> torch.Tensor:
     return torch.tensor(total / t.numel(), dtype=t.dtype, device=t.device)
 
 
-def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None):
-    """(attention output, target): at every position, or at the query positions `at` [m] only."""
-    if at is None:
-        return attn(x, position_ids=position_ids)[0], z
-    return attn.outputs_at(x, at), z[:, at]
+def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None,
+             bf16: bool = False):
+    """(attention output, target): at every position, or at the query positions `at` [m] only; the
+    output's products under bf16 autocast with `bf16`."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        if at is None:
+            return attn(x, position_ids=position_ids)[0], z
+        return attn.outputs_at(x, at), z[:, at]
 
 
 def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
-                       at: torch.Tensor | None = None):
+                       at: torch.Tensor | None = None, bf16: bool = False):
     """Y^T Y [H*d_v, H*d_v], Y^T (Z - b_o) [H*d_v, D], ||Z - b_o||^2 and ||Z||^2 in float64 over all
-    tokens (or the query positions `at` of every sequence), Y = o_proj's input."""
+    tokens (or the query positions `at` of every sequence), Y = o_proj's input. With bf16 (Y then has bf16's
+    8 significant bits) each batch's products are float32, summed over the batches in float64."""
+    part = torch.float32 if bf16 else torch.float64  # a batch's sums
     width = attn.o_proj.in_features
     yy = torch.zeros(width, width, dtype=torch.float64, device=x.device)
     yz = torch.zeros(width, z.shape[-1], dtype=torch.float64, device=x.device)
@@ -199,15 +212,15 @@ def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, pos
     hook = attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(args[0]))
     try:
         for start in range(0, x.shape[0], batch):
-            target = _outputs(attn, x[start : start + batch], z[start : start + batch], position_ids, at)[1]
-            y = seen.pop().reshape(-1, width).double()  # [n, H*d_v]
-            target = target.reshape(-1, z.shape[-1]).double()  # [n, D]
-            z_norm += target.pow(2).sum()
+            target = _outputs(attn, x[start : start + batch], z[start : start + batch], position_ids, at, bf16)[1]
+            y = seen.pop().reshape(-1, width).to(part)  # [n, H*d_v]
+            target = target.reshape(-1, z.shape[-1]).to(part)  # [n, D]
+            z_norm += target.pow(2).sum().double()
             if bias is not None:  # the bias stays: W is fitted to Z - b_o
-                target = target - bias.double()
-            yy += y.T @ y
-            yz += y.T @ target
-            zz += target.pow(2).sum()
+                target = target - bias.to(part)
+            yy += (y.T @ y).double()
+            yz += (y.T @ target).double()
+            zz += target.pow(2).sum().double()
     finally:
         hook.remove()
     return yy, yz, zz, z_norm
@@ -215,11 +228,11 @@ def _heads_output_gram(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, pos
 
 @torch.no_grad()
 def refit_o_proj_errors(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
-                        at: torch.Tensor | None = None) -> tuple[float, float]:
+                        at: torch.Tensor | None = None, bf16: bool = False) -> tuple[float, float]:
     """Steps 1 and 3: the ridge least-squares o_proj (module docstring), in place. Returns the layer's
     output error (output_error's value) before and after it, from the same sums, without another pass
     over the tokens: ||Y W^T - (Z - b)||^2 = tr(W Y^T Y W^T) - 2 tr(W Y^T (Z - b)) + ||Z - b||^2."""
-    yy, yz, zz, z_norm = _heads_output_gram(attn, x, z, position_ids, batch, at)
+    yy, yz, zz, z_norm = _heads_output_gram(attn, x, z, position_ids, batch, at, bf16)
     norm = max(float(z_norm), 1e-30)
 
     def error(w: torch.Tensor) -> float:  # w [D, H*d_v] float64
@@ -235,18 +248,18 @@ def refit_o_proj_errors(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, po
 
 
 def refit_o_proj(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
-                 at: torch.Tensor | None = None) -> float:
+                 at: torch.Tensor | None = None, bf16: bool = False) -> float:
     """refit_o_proj_errors' fit, in place; the output error after it."""
-    return refit_o_proj_errors(attn, x, z, position_ids, batch, at)[1]
+    return refit_o_proj_errors(attn, x, z, position_ids, batch, at, bf16)[1]
 
 
 @torch.no_grad()
 def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
-                 at: torch.Tensor | None = None) -> float:
+                 at: torch.Tensor | None = None, bf16: bool = False) -> float:
     """||Attn_mla(X) - Z||^2 / ||Z||^2 over all tokens (or the query positions `at` of every sequence)."""
     err = z_norm = 0.0
     for s in range(0, x.shape[0], batch):  # float64 per batch of sequences, no copy of all of z
-        out, target = _outputs(attn, x[s : s + batch], z[s : s + batch], position_ids, at)
+        out, target = _outputs(attn, x[s : s + batch], z[s : s + batch], position_ids, at, bf16)
         err += float((out - target).double().pow(2).sum())
         z_norm += float(target.double().pow(2).sum())
     return err / max(z_norm, 1e-30)
@@ -280,8 +293,7 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
             at = None  # every query position, or an unbiased sample of them [m]
             if 0 < settings.queries < x.shape[1]:
                 at = torch.randperm(x.shape[1], generator=gen)[: settings.queries].sort().values.to(x.device)
-            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-                out, target = _outputs(attn, x[pick], z[pick], position_ids, at)
+            out, target = _outputs(attn, x[pick], z[pick], position_ids, at, settings.bf16)
             loss = (out.float() - target).pow(2).mean() / scale
             if z_far is not None:
                 rows = torch.arange(far_at.shape[0], device=x.device)  # [m] of the far positions
@@ -354,9 +366,9 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
         gen = torch.Generator().manual_seed(settings.seed + 1)
         at = torch.randperm(T, generator=gen)[: settings.closed_form_queries].sort().values.to(x.device)  # [m]
     if settings.closed_form:  # the error before comes from the closed form's own sums
-        before, after = refit_o_proj_errors(attn, x, z, position_ids, batch, at)
+        before, after = refit_o_proj_errors(attn, x, z, position_ids, batch, at, settings.bf16_passes)
     else:
-        before = after = output_error(attn, x, z, position_ids, batch, at)
+        before = after = output_error(attn, x, z, position_ids, batch, at, settings.bf16_passes)
     best, best_error = layer, before  # an exact layer stays: Adam's unit-size steps can only perturb it
     info = {}
     if settings.steps:
@@ -369,9 +381,11 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
             if settings.far + 1 >= T:
                 raise ValueError(f"FitSettings.far ({settings.far}) must be below the fit sequences' length - 1 ({T - 1})")
             # attn holds this one layer as its layer 0 (calibrate.mla_attention): its window is window(0)
-            z_far = far_targets(source_attention, x, settings.far, attn.config.window(attn.layer_idx), batch)
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16_passes):
+                z_far = far_targets(source_attention, x, settings.far, attn.config.window(attn.layer_idx), batch)
         info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far)
-        after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at)
+        after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at,
+                                                                          settings.bf16_passes)
     if after < best_error - ERROR_NOISE:
         best, best_error = layer_of(attn, layer), after
     return best, {"output_error": [round(before, 6), round(best_error, 6)], **info}

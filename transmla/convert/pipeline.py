@@ -140,7 +140,7 @@ class LayerStream:
                                            self.geometry.num_layers, fit_ids.shape[1])
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": fit.steps, "lr": fit.lr, "closed_form": fit.closed_form,
-                                       "bf16": fit.bf16, "sequences": list(fit_ids.shape), "repeated_spans": spans,
+                                       "bf16": fit.bf16, "bf16_passes": fit.bf16_passes, "sequences": list(fit_ids.shape), "repeated_spans": spans,
                                        **({"far": fit.far, "far_weight": fit.far_weight, "far_layers": list(fit.far_layers)}
                                           if fit.far else {}),
                                        **({"relative_lr": True, "schedule": fit.schedule, "warmup": fit.warmup,
@@ -199,7 +199,7 @@ class LayerStream:
                 layers = calibrated_layers(
                     self.source_dir, self.config, self.calib_ids, self._convert, propagate=self.propagate,
                     pair_norms=self.needs.pair_norms, device=self.device, progress=self.progress,
-                    fit_ids=self.fit_ids,
+                    fit_ids=self.fit_ids, bf16=self.fit is not None and self.fit.bf16_passes,
                     fit_layer=None if self.fit_ids is None else self._fit if pool is None else submit,
                 )
                 yield from (layers if pool is None else self._fitted_in_order(jobs, layers))
