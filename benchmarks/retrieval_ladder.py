@@ -847,7 +847,16 @@ keys 0.986 / 19 exact (the default 0.935 / 18), dev32 43.32 (at its +1% limit), 
 the conversion 2282 s against 2295 s, about 1% shorter where fit_cost's stage clock had put the closed forms at a
 fifth of the time. It fails its rule on the key NLL (0.967 or lower) and buys almost no time: the closed forms'
 cost is not in the query count (the latent, the kv_b expansion and the sums over all 1024 keys stay; or the load
-differs between the runs: not separated). The CLI's closed forms keep every query."""
+differs between the runs: not separated). The CLI's closed forms keep every query.
+cli-25-unitary+fit-bf16 (issue 36; session of 2026-12-05; its rule is above, written before it ran). On the AMD EPYC with
+AVX-512 BF16 (one core; the other ran builds, then the test suite): keys 0.934 / 18 exact (fp32's 0.935 / 18), dev32
+42.79 (42.89), dev recall 30% / 2.108 (30% / 2.102, within the 2.159 allowed): it passes every part, so a conversion
+that compresses runs its source streams, closed forms and far targets in bf16 where bf16 pays
+(FitSettings.bf16_passes). Its conversion 824 s in-process (13.7 min, stages kept for this table) against fit_cost's
+17.3 min for the CLI with only Adam in bf16 and 2295 s for the fp32 conversion on the AVX2 EPYC. A conversion that
+does not compress keeps those passes in fp32: the errors that choose the layer kept carry bf16's rounding, and an
+exact layer (TransMLA with every component kept) was replaced by a least-squares o_proj fitted to that rounding
+(tests/test_transmla.py caught it)."""
 
 
 def report(results: dict) -> str:
