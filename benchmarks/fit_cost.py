@@ -56,6 +56,11 @@ the variants' bf16 fits 1.48-1.60x faster than fp32 (layer 2: 53.7 against 85.3 
 51.3 s at 1024; layer 12: 53.3 / 85.6, 32.2 / 47.7), output errors 0.0912 / 0.0965, 0.1044 / 0.1039,
 0.1486 / 0.1482, 0.1600 / 0.1591 (within 0.005): the rule holds, the probe stays. The CLI's 25% conversion
 there: 17.3 min (Adam 460 s, closed forms 280 s, the rest 281 s), against 31.3 min in fp32 on the AVX2 EPYC.
+With every pass of the compressing conversion in bf16 (FitSettings.bf16_passes: the source streams, the closed
+forms, the far targets; chosen by retrieval_ladder's cli-25-unitary+fit-bf16 rule), the same EPYC, one thread, the
+other core converting the 1.5B: 13.4 min (Adam 477 s, closed forms 189 s, the rest 125 s). Adam is now most of it,
+and most of Adam is SDPA's CPU flash kernel (its forward and backward over 256 sampled queries x 1024 keys, 57 of
+77 ms a step, about 60-90 GFLOP/s in bf16); the math backend was no faster (72 against 65 ms, fwd+bwd).
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
@@ -157,13 +162,17 @@ class StageClock:
                 setattr(owner, name, fn)
 
 
-def fit_rates(out: Path) -> str:
-    """How the written conversion's fit set Adam's rates (its config.json's calibration record)."""
+def fit_record(out: Path) -> dict:
+    """The written conversion's fit record (its config.json's calibration.fit)."""
     import json
 
     method = json.loads((out / "config.json").read_text()).get("mla", {}).get("method") or {}
-    fit = (method.get("calibration") or {}).get("fit") or {}
-    return "relative" if fit.get("relative_lr") else "constant"
+    return (method.get("calibration") or {}).get("fit") or {}
+
+
+def fit_rates(out: Path) -> str:
+    """How the written conversion's fit set Adam's rates."""
+    return "relative" if fit_record(out).get("relative_lr") else "constant"
 
 
 def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
@@ -189,6 +198,7 @@ def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
         "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "load_before": load},
         "fit_bf16": fast_bf16_matmul("cpu"),  # what the CLI's fit ran under
         "fit_rates": fit_rates(out),
+        "fit_bf16_passes": bool(fit_record(out).get("bf16_passes")),  # the streams and closed forms in bf16 too
     }
 
 
@@ -293,7 +303,8 @@ def report(rows: dict) -> str:
         st = r["stages"]
         lines.append(f"| {r['command']} | {m.get('cpu', m.get('machine'))} ({'yes' if f['amx'] else 'no'}, "
                      f"{'yes' if f['avx512_bf16'] else 'no'}) | {m['threads']}, {m['load_before']:.1f} | "
-                     f"{'bf16' if r['fit_bf16'] else 'fp32'}, {r.get('fit_rates', 'constant')} rates | {r['wall_seconds'] / 60:.1f} | "
+                     f"{'bf16 (every pass)' if r.get('fit_bf16_passes') else 'bf16' if r['fit_bf16'] else 'fp32'}, "
+                     f"{r.get('fit_rates', 'constant')} rates | {r['wall_seconds'] / 60:.1f} | "
                      + " | ".join(f"{st[s]:.0f}" for s in STAGES) + f" | {st['the rest']:.0f} |")
     variant_rows = [(key, v) for key, r in rows.items() for v in r["variants"]]
     if variant_rows:
@@ -353,6 +364,7 @@ def main(argv=None) -> int:
         row = run(args.budget, args.per_layer_rope, args.variants, args.out)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
         key += "" if row["fit_rates"] == "constant" else f"|{row['fit_rates']} rates"
+        key += "|bf16 passes" if row["fit_bf16_passes"] else ""
         if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
             row["variants"] = rows[key]["variants"]
         rows[key] = row
