@@ -272,10 +272,13 @@ def report(results: dict) -> str:
     cpus: dict[str, list[str]] = {}  # the CPU each row ran on
     for e in rows:
         m = e.get("machine", {})
-        cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(e["run"])
+        name = f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]
+        threads = f" on {m['threads']} thread{'s' * (m['threads'] != 1)}" if m.get("threads") else ""
+        cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(name + threads)
     lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items())
               + ". The lossless and MHA2MLA conversions and every evaluation before transmla-0.25-cli shared the CPU with "
-              "other jobs; transmla-0.25-cli ran alone (2 threads).", ""]
+              "other jobs; transmla-0.25-cli ran alone on both cores; transmla-0.25-cli (epyc-bf16) on one core, "
+              "the other busy with other work.", ""]
     return "\n".join(lines)
 
 
