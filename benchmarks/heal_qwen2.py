@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from .common import RESULTS, ROOT, TRANSMLA, ResultCache, load_json, log, machine, timed
 from .qwen2_1p5b import OUT_JSON as QWEN2_JSON
-from .qwen2_1p5b import TEXTS, WORK, evaluate
+from .qwen2_1p5b import TEXTS, WORK, evaluate_texts
 
 RECIPE = ROOT / "recipes" / "qwen2_1p5b_cpu_heal.yaml"
 CONVERTED = WORK / "transmla-0.25-cli"
@@ -45,26 +44,24 @@ OUT_MD = RESULTS / "heal_qwen2_1p5b.md"
 
 def evaluated(folder: Path, windows: int, entry: dict, results: ResultCache, key: str) -> dict:
     """Every text of TEXTS scored on `folder`, each saved as soon as it is measured (a stopped run resumes)."""
-    for text in (t for t in TEXTS if t not in entry):
-        log(f"evaluating {folder.name} on {text} ({windows} windows)")
-        start = time.perf_counter()
-        entry[text] = evaluate(folder, text, windows) | {"eval_s": round(time.perf_counter() - start, 1)}
-        log(f"{folder.name} {text}: {entry[text]['perplexity']:.4f}")
-        results.results[key] = entry
+
+    def save(e: dict) -> None:
+        results.results[key] = e
         results.save()
-    return entry
+
+    return evaluate_texts(folder, folder.name, windows, entry, after_each=save)
 
 
 def heal(steps: int | None) -> dict:
     """The recipe run on the converted folder, timed; its own log and metrics beside the cost."""
     if not (CONVERTED / "config.json").is_file():
         raise SystemExit(f"no conversion at {CONVERTED}: make it with benchmarks.qwen2_1p5b --runs transmla-0.25-cli --keep")
-    args = [str(TRANSMLA), "finetune", str(RECIPE), "--set", f"model.path={CONVERTED}", "--set", f"output_dir={HEALED}"]
+    args = [str(TRANSMLA), "finetune", str(RECIPE), "--force", "--set", f"model.path={CONVERTED}", "--set", f"output_dir={HEALED}"]
     if steps is not None:
         args += ["--set", f"train.steps={steps}"]
     WORK.mkdir(parents=True, exist_ok=True)
     log(f"healing: {' '.join(args[1:])}")
-    cost = timed(args + ["--force"], WORK / "heal-0.25.log")
+    cost = timed(args, WORK / "heal-0.25.log")
     metrics = json.loads((HEALED / "metrics.json").read_text())
     train = metrics["train_log"]
     return {"command": " ".join(["transmla", *args[1:]]), "cost": cost, "steps": train[-1]["step"] if train else 0,

@@ -92,6 +92,18 @@ def evaluate(folder: Path, text: str, windows: int) -> dict:
     return {k: r[k] for k in ("perplexity", "windows", "tokens", "kv_elements_per_token_per_layer") if k in r}
 
 
+def evaluate_texts(folder: Path, label: str, windows: int, entry: dict, after_each=None) -> dict:
+    """Each text of TEXTS that `entry` lacks scored on `folder` (with its seconds); `after_each(entry)` once per text."""
+    for text in (t for t in TEXTS if t not in entry):
+        log(f"evaluating {label} on {text} ({windows} windows)")
+        start = time.perf_counter()
+        entry[text] = evaluate(folder, text, windows) | {"eval_s": round(time.perf_counter() - start, 1)}
+        log(f"{label} {text}: {entry[text]['perplexity']:.4f}")
+        if after_each is not None:
+            after_each(entry)
+    return entry
+
+
 def decode_paths_agree(folder: Path) -> dict:
     """Greedy text through the absorbed latent cache and through the expanded path, compared."""
     texts = {mode: transmla_json("generate", str(folder), PROMPT, "--max-new-tokens", "24", "--decode", mode)["completion"]
@@ -179,11 +191,7 @@ def run_one(results: ResultCache, run: str, windows: int, keep: bool, tag: str |
         return
     folder, cost = convert(run)
     entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine(), **({"tag": tag} if tag else {})}
-    for text in (t for t in TEXTS if t not in entry):
-        log(f"evaluating {run} on {text} ({windows} windows)")
-        start = time.perf_counter()
-        entry[text] = evaluate(folder, text, windows) | {"eval_s": round(time.perf_counter() - start, 1)}
-        log(f"{run} {text}: {entry[text]['perplexity']:.4f}")
+    evaluate_texts(folder, run, windows, entry)
     if run.endswith("-shared"):
         entry["drop_biases"] = dropped_biases(folder, windows)
     if cost is not None:
