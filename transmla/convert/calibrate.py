@@ -151,6 +151,8 @@ def calibrated_layers(
     batch_tokens: tokens per forward pass of a stream (whole sequences, at least one).
     bf16: the source layers' forward passes (the streams' propagation and the fit's x and z) under bf16 autocast
     (the residual stream, norms and statistics stay float32): where bf16 products pay (dtypes.fast_bf16_matmul).
+    The fit's x and z are then held in bfloat16 (FIT_STORAGE): half their memory, the largest tensors of a
+    conversion after the residual streams, at no cost in the fit (fit_storage_dtype).
     """
     if propagate not in PROPAGATIONS:
         raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
@@ -171,6 +173,7 @@ def calibrated_layers(
             streams.append((F.embedding(token_ids, embed).mul_(embed_scale.to(device)), position_ids))  # in place: one copy
         del embed
         hidden = streams[0][0]  # the statistics' stream
+        store = fit_storage_dtype(bf16)  # the fit's x and z
         for i in progress_bar(range(geo.num_layers), "calibrating layers", enabled=progress):
             layer = _load_decoder_layer(reader, config, i, device)
             src = read_source_attention(reader, config, i)
@@ -185,7 +188,7 @@ def calibrated_layers(
             if fit_layer is not None and propagate == "converted":  # the source attention's io before it is replaced
                 with _autocast(device, bf16):
                     x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1],
-                                                _sequences(streams[1][0], batch_tokens))
+                                                _sequences(streams[1][0], batch_tokens), store)
                 with torch.inference_mode(False):
                     converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1]))
                 del x, z
@@ -194,7 +197,7 @@ def calibrated_layers(
             for k, ((h_all, h_pos), (cos_sin, mask)) in enumerate(zip(streams, views)):
                 batch_size = _sequences(h_all, batch_tokens)
                 if k == 2:  # corrected: the fit's converted stream, through the fitted layer (the original's are past)
-                    x = _filled(h_all, batch_size, lambda s: layer.input_layernorm(h_all[s : s + batch_size]))
+                    x = _filled(h_all, batch_size, lambda s: layer.input_layernorm(h_all[s : s + batch_size]), store)
                     with torch.inference_mode(False):
                         converted = fit_layer(i, converted, x, fit_z, _masked_attention(layer, cos_sin, h_pos))
                     del x
@@ -205,8 +208,8 @@ def calibrated_layers(
                 keep = fit_layer is not None and propagate in ("original", "corrected") and k == 1
                 hook = None
                 if keep:
-                    fit_z = _buffer(h_all)
-                    fit_x = _buffer(h_all) if propagate == "original" else None
+                    fit_z = _buffer(h_all, store)
+                    fit_x = _buffer(h_all, store) if propagate == "original" else None
                     hook = layer.self_attn.register_forward_hook(_writer(fit_x, fit_z), with_kwargs=True)
                 for start in range(0, h_all.shape[0], batch_size):
                     h = h_all[start : start + batch_size]
@@ -223,6 +226,15 @@ def calibrated_layers(
             del layer
 
 
+def fit_storage_dtype(bf16: bool) -> torch.dtype:
+    """The dtype the fit's x and z are held in: bfloat16 when the source passes run under bf16 autocast, else
+    float32. Exact then: z is the source attention's o_proj output, already bf16 under autocast, and x (the input
+    norm's float32 output) is read only by linears under autocast, which round it to bf16 as storing it does (both
+    round to nearest even); the fit's Adam, closed forms and far targets all run under autocast with bf16 passes
+    (output_fit.FitSettings.bf16_passes, which implies its Adam's bf16)."""
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def _autocast(device: str, bf16: bool):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -232,11 +244,12 @@ def _sequences(hidden: torch.Tensor, batch_tokens: int) -> int:
     return max(1, batch_tokens // hidden.shape[1])
 
 
-def _buffer(like: torch.Tensor) -> torch.Tensor:
-    """An empty tensor shaped like `like`, made outside inference mode: the fit may train on it. Filled in
-    place while the stream passes, it holds the fit's sequences once, not as batches and their concatenation."""
+def _buffer(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor shaped like `like` (in its dtype, or `dtype`), made outside inference mode: the fit may
+    train on it. Filled in place while the stream passes, it holds the fit's sequences once, not as batches and
+    their concatenation."""
     with torch.inference_mode(False):
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def _writer(x: torch.Tensor | None, z: torch.Tensor):
@@ -254,9 +267,10 @@ def _writer(x: torch.Tensor | None, z: torch.Tensor):
     return hook
 
 
-def _filled(like: torch.Tensor, batch_size: int, batch) -> torch.Tensor:
-    """A _buffer shaped like `like`, filled with batch(start) [b, ...] for start = 0, batch_size, ..."""
-    out = _buffer(like)
+def _filled(like: torch.Tensor, batch_size: int, batch, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A _buffer shaped like `like` (its dtype, or `dtype`), filled with batch(start) [b, ...] for start = 0,
+    batch_size, ..."""
+    out = _buffer(like, dtype)
     for start in range(0, like.shape[0], batch_size):
         out[start : start + batch_size].copy_(batch(start))
     return out
@@ -279,9 +293,11 @@ def _masked_attention(layer, cos_sin, position_ids) -> MaskedSourceAttention:
     return MaskedSourceAttention(layer.self_attn, cos_sin, position_ids)
 
 
-def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D] (_buffer's)."""
-    x = _filled(hidden, batch_size, lambda s: layer.input_layernorm(hidden[s : s + batch_size]))
+def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int,
+                         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D] (_buffer's, in
+    hidden's dtype or `dtype`)."""
+    x = _filled(hidden, batch_size, lambda s: layer.input_layernorm(hidden[s : s + batch_size]), dtype)
     z = _filled(x, batch_size, lambda s: layer.self_attn(x[s : s + batch_size], position_embeddings=cos_sin,
                                                           attention_mask=mask, position_ids=position_ids)[0])
     return x, z

@@ -180,10 +180,11 @@ def far_targets(source_attention, x: torch.Tensor, far: int, window: int, batch:
 
 
 def mean_square(t: torch.Tensor) -> torch.Tensor:
-    """mean(t^2) (float32, summed in float64) one slice of t's first dimension at a time: no squared copy of
-    all of t (a fit's z is hundreds of MB on a 1.5B model)."""
+    """mean(t^2) as a float32 scalar (summed in float64) one slice of t's first dimension at a time: no squared
+    copy of all of t (a fit's z is hundreds of MB on a 1.5B model). Float32 whatever t's dtype (the fit's x and z
+    are bfloat16 with bf16 passes): a loss divided by it keeps its scale to float32's precision."""
     total = sum(float(part.double().pow(2).sum()) for part in t)
-    return torch.tensor(total / t.numel(), dtype=t.dtype, device=t.device)
+    return torch.tensor(total / t.numel(), dtype=torch.float32, device=t.device)
 
 
 def _outputs(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, at: torch.Tensor | None,
@@ -350,7 +351,8 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
     """One converted layer fitted to the source attention's output.
 
     config: the source's; layer: the method's MLA layer; x [N, T, D]: the fit sequences' attention
-    input (float32, not inference tensors); z [N, T, D]: the source attention's output on x.
+    input (float32, not inference tensors; bfloat16 only with settings.bf16_passes, which runs every pass that
+    reads them under bf16 autocast); z [N, T, D]: the source attention's output on x (x's dtype).
     index: the source layer (its sliding window, if any, applies). source_attention(x [n, T, D],
     mask [1, 1, T, T] bool) -> [n, T, D]: the source attention under a mask (settings.far needs it).
     Returns the fitted layer (same shapes) and {"output_error": [before, after]} (relative, on x), with
