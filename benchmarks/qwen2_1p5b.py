@@ -28,7 +28,8 @@ fit's learning-rate backoff (output_fit.adam_fit) is kept under a key ending in 
 folders stay under $TRANSMLA_CACHE/bench-qwen2 (7 GB each in fp32; `--keep` keeps them, the
 default deletes each after its evaluation).
 
-Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped) and .md.
+Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped, and a stopped run keeps the texts it
+measured) and .md.
 """
 
 from __future__ import annotations
@@ -187,11 +188,16 @@ def run_one(results: ResultCache, run: str, windows: int, keep: bool, tag: str |
     keeps the row beside an earlier one of the same run (another CPU, the defaults of another day)."""
     key = f"{run}@{windows}" + (f"@{tag}" if tag else "")
     entry = results.results.get(key)
-    if entry is not None and (run != "source" or all(text in entry for text in TEXTS)):
+    if entry is not None and all(text in entry for text in TEXTS):
         return
     folder, cost = convert(run)
     entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine(), **({"tag": tag} if tag else {})}
-    evaluate_texts(folder, run, windows, entry)
+
+    def save(entry: dict) -> None:  # each text as it is measured: a stopped run keeps them (its folder with --keep)
+        results.results[key] = entry
+        results.save()
+
+    evaluate_texts(folder, run, windows, entry, save)
     if run.endswith("-shared"):
         entry["drop_biases"] = dropped_biases(folder, windows)
     if cost is not None:
