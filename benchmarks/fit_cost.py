@@ -61,6 +61,11 @@ forms, the far targets; chosen by retrieval_ladder's cli-25-unitary+fit-bf16 rul
 other core converting the 1.5B: 13.4 min (Adam 477 s, closed forms 189 s, the rest 125 s). Adam is now most of it,
 and most of Adam is SDPA's CPU flash kernel (its forward and backward over 256 sampled queries x 1024 keys, 57 of
 77 ms a step, about 60-90 GFLOP/s in bf16); the math backend was no faster (72 against 65 ms, fwd+bwd).
+The `--jobs 1` row of the AMD EPYC (2026-12-06, one thread pinned to one core, the other core converting the 1.5B):
+another EPYC with AVX-512 BF16 whose startup probe measured bf16 2.2x faster (not 5-8x), after c1ccd2b (the fit's x,
+z and far targets stored in bf16 when its passes run in bf16: the same fitted layers bit for bit, `make demo`'s 25%
+wiki-test 33.63 as before): 20.9 min, 1137 MiB peak PSS. Its memory is not comparable with the Xeon's rows (two
+threads, RSS summed, the fit sequences in float32 then).
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
