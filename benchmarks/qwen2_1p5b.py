@@ -292,7 +292,9 @@ def report(results: dict) -> str:
     lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items())
               + ". The lossless and MHA2MLA conversions and every evaluation before transmla-0.25-cli shared the CPU with "
               "other jobs; transmla-0.25-cli ran alone on both cores; transmla-0.25-cli (epyc-bf16) on one core, "
-              "the other busy with other work.", ""]
+              "the other busy with other work; transmla-0.25-cli (epyc-bf16-store): the same defaults with the fit's "
+              "sequences stored in bf16 (c1ccd2b; the same fitted layers bit for bit), on one core of another AVX-512 "
+              "BF16 EPYC (its bf16 probe 2.2x against the first one's 5-8x), the other core busy with other work.", ""]
     return "\n".join(lines)
 
 
