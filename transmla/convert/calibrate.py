@@ -151,8 +151,8 @@ def calibrated_layers(
     batch_tokens: tokens per forward pass of a stream (whole sequences, at least one).
     bf16: the source layers' forward passes (the streams' propagation and the fit's x and z) under bf16 autocast
     (the residual stream, norms and statistics stay float32): where bf16 products pay (dtypes.fast_bf16_matmul).
-    The fit's x and z are then held in bfloat16 (FIT_STORAGE): half their memory, the largest tensors of a
-    conversion after the residual streams, at no cost in the fit (fit_storage_dtype).
+    The fit's x and z are then held in bfloat16 (fit_storage_dtype): half their memory, the largest tensors of a
+    conversion after the residual streams, and the same fit.
     """
     if propagate not in PROPAGATIONS:
         raise ValueError(f"propagate must be one of {PROPAGATIONS}, got {propagate!r}")
