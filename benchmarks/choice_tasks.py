@@ -63,7 +63,9 @@ def report(results: dict) -> str:
     if runs:
         cpus = runs_by_cpu(run_rows)
         L += ["", f"CPU (2 cores) of each run: {cpus}; load {min(e['load_before'] for e in runs):.1f}-{max(e['load_after'] for e in runs):.1f} around the "
-              "runs (seconds are wall time under that load and differ by CPU: the AMD EPYC here has AVX2 only)."]
+              "runs (seconds are wall time under that load and differ by CPU: the AMD EPYC rows of "
+              "2026-11-27 and 11-28 ran on one with AVX2 only; transmla 25% exportable, 2026-12-06, on one with AVX-512 BF16, two "
+              "threads, its folder the one `make demo` had just converted with the same command)."]
     L += ["", SECONDS_NOTE]
     return "\n".join(L) + "\n"
 
