@@ -184,7 +184,7 @@ def bias_ablation(windows: int) -> dict:
 
 
 def run_one(results: ResultCache, run: str, windows: int, keep: bool, tag: str | None = None) -> None:
-    """Convert (today's CLI defaults) and evaluate one run; the source gains only the texts it lacks. A tag
+    """Convert (today's CLI defaults) and evaluate one run; a run measured before gains only the texts it lacks. A tag
     keeps the row beside an earlier one of the same run (another CPU, the defaults of another day)."""
     key = f"{run}@{windows}" + (f"@{tag}" if tag else "")
     entry = results.results.get(key)

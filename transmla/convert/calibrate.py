@@ -244,12 +244,11 @@ def _sequences(hidden: torch.Tensor, batch_tokens: int) -> int:
     return max(1, batch_tokens // hidden.shape[1])
 
 
-def _buffer(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty tensor shaped like `like` (in its dtype, or `dtype`), made outside inference mode: the fit may
-    train on it. Filled in place while the stream passes, it holds the fit's sequences once, not as batches and
+def _buffer(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty `dtype` tensor shaped like `like`, made outside inference mode: the fit may train on it. Filled in place while the stream passes, it holds the fit's sequences once, not as batches and
     their concatenation."""
     with torch.inference_mode(False):
-        return torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
 def _writer(x: torch.Tensor | None, z: torch.Tensor):
@@ -267,9 +266,8 @@ def _writer(x: torch.Tensor | None, z: torch.Tensor):
     return hook
 
 
-def _filled(like: torch.Tensor, batch_size: int, batch, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A _buffer shaped like `like` (its dtype, or `dtype`), filled with batch(start) [b, ...] for start = 0,
-    batch_size, ..."""
+def _filled(like: torch.Tensor, batch_size: int, batch, dtype: torch.dtype) -> torch.Tensor:
+    """A `dtype` _buffer shaped like `like`, filled with batch(start) [b, ...] for start = 0, batch_size, ..."""
     out = _buffer(like, dtype)
     for start in range(0, like.shape[0], batch_size):
         out[start : start + batch_size].copy_(batch(start))
@@ -294,12 +292,11 @@ def _masked_attention(layer, cos_sin, position_ids) -> MaskedSourceAttention:
 
 
 def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int,
-                         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D] (_buffer's, in
-    hidden's dtype or `dtype`)."""
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = input_layernorm(hidden) [N, T, D] and the source attention's output on x [N, T, D] (`dtype` _buffers)."""
     x = _filled(hidden, batch_size, lambda s: layer.input_layernorm(hidden[s : s + batch_size]), dtype)
     z = _filled(x, batch_size, lambda s: layer.self_attn(x[s : s + batch_size], position_embeddings=cos_sin,
-                                                          attention_mask=mask, position_ids=position_ids)[0])
+                                                          attention_mask=mask, position_ids=position_ids)[0], dtype)
     return x, z
 
 
