@@ -294,7 +294,10 @@ def report(results: dict) -> str:
               "other jobs; transmla-0.25-cli ran alone on both cores; transmla-0.25-cli (epyc-bf16) on one core, "
               "the other busy with other work; transmla-0.25-cli (epyc-bf16-store): the same defaults with the fit's "
               "sequences stored in bf16 (c1ccd2b; the same fitted layers bit for bit), on one core of another AVX-512 "
-              "BF16 EPYC (its bf16 probe 2.2x against the first one's 5-8x), the other core busy with other work.", ""]
+              "BF16 EPYC (its bf16 probe 2.2x against the first one's 5-8x), the other core busy with other work; "
+              "transmla-0.5-cli (epyc-bf16-store): converted by hand with the same command on both cores of that EPYC "
+              "(two threads, a niced one-thread job beside it part of the time, so no load recorded), then reused "
+              "and evaluated here on one thread (the other core running the passkey cells).", ""]
     return "\n".join(lines)
 
 
