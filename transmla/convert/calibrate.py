@@ -245,8 +245,8 @@ def _sequences(hidden: torch.Tensor, batch_tokens: int) -> int:
 
 
 def _buffer(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty `dtype` tensor shaped like `like`, made outside inference mode: the fit may train on it. Filled in place while the stream passes, it holds the fit's sequences once, not as batches and
-    their concatenation."""
+    """An empty `dtype` tensor shaped like `like`, made outside inference mode: the fit may train on it. Filled in
+    place while the stream passes, it holds the fit's sequences once, not as batches and their concatenation."""
     with torch.inference_mode(False):
         return torch.empty(like.shape, dtype=dtype, device=like.device)
 
