@@ -94,13 +94,13 @@ class ResultCache:
 
 
 def measured(log_file: Path) -> dict:
-    """Peak RSS and wall time of a finished run from its /usr/bin/time -v log."""
+    """Peak RSS (GiB: /usr/bin/time's kilobytes are KiB) and wall time of a finished run from its /usr/bin/time -v log."""
     text = log_file.read_text()
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
     clock = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text).group(1)
     seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(clock.split(":"))))
     cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", text).group(1)) for kind in ("User", "System"))
-    return {"peak_rss_gb": round(rss_kb / 1e6, 3), "wall_s": round(seconds, 1), "cpu_s": round(cpu, 1),
+    return {"peak_rss_gib": round(rss_kb / 2**20, 3), "wall_s": round(seconds, 1), "cpu_s": round(cpu, 1),
             "load_before": None, "load_after": None}
 
 

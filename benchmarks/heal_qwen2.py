@@ -74,7 +74,7 @@ def report(results: dict) -> str:
              "Made by `python -m benchmarks.heal_qwen2` (protocol in its docstring): perplexity (fp32) on the first 16 "
              "windows of 512 tokens of each text's evaluation part; in brackets the ratio to the source's. Gap recovered "
              "= (converted - healed) / (converted - source). Issue 36's goal: within 1.2x of the source on every text.", "",
-             "| model | steps | " + " | ".join(TEXTS) + " | healing min (wall) | CPU-hours | peak GB | CPU, load |",
+             "| model | steps | " + " | ".join(TEXTS) + " | healing min (wall) | CPU-hours | peak GiB | CPU, load |",
              "|---|---|" + "---|" * len(TEXTS) + "---|---|---|---|"]
     src_cells = [f"{source[t]['perplexity']:.2f}" if t in source else "" for t in TEXTS]
     lines.append(f"| source | - | {' | '.join(src_cells)} |  |  |  | from qwen2_1p5b.json |")
@@ -95,7 +95,7 @@ def report(results: dict) -> str:
             c = heal_run["cost"]
             cpu_h = c["cpu_s"] / 3600
             lines.append(f"| healed | {heal_run['steps']} | {' | '.join(cells)} | {c['wall_s'] / 60:.1f} | {cpu_h:.2f} | "
-                         f"{c['peak_rss_gb']:.2f} | {where} |")
+                         f"{c['peak_rss_gib']:.2f} | {where} |")
         else:
             lines.append(f"| converted (CLI 25%, 96 + 32) | - | {' | '.join(cells)} |  |  |  | {where} |")
     conv, healed = results.get("converted@16"), next((e for k, e in rows if e.get("heal")), None)

@@ -132,7 +132,7 @@ KEPT_CLI = ("cli@fixed-lr", "cli@wiki3-code1", "cli@third-rope", "cli@fit-256")
 
 def cli_model(shape: str, budget: str):
     """`transmla convert` with its defaults (calibration mix, fit and all) as a user runs it, loaded
-    back; and the conversion's wall seconds and peak RSS (GB) measured around the process."""
+    back; and the conversion's wall seconds and peak RSS (GiB) measured around the process."""
     from transformers import AutoModelForCausalLM
 
     import transmla  # noqa: F401  (registers the MLA models)
@@ -329,7 +329,7 @@ def report(results: dict) -> str:
         "cli = `transmla convert` with all its defaults, the calibration mix included, timed around the "
         "process with its load; source in the first row)",
         "",
-        "| shape | cache | setting | wiki-test 32 | wiki-test 64 | lee-test | code (16) | licences (16) | conversion: min, peak GB, load |",
+        "| shape | cache | setting | wiki-test 32 | wiki-test 64 | lee-test | code (16) | licences (16) | conversion: min, peak GiB, load |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| source | 100% | - | {src['final']['wiki_test_32']:.2f} | {src['final']['wiki_test_64']:.2f} | "
         f"{src['final']['lee_test']:.2f} | {src['held_out']['code']:.2f} | {src['held_out']['licences']:.2f} | - |",
@@ -343,7 +343,7 @@ def report(results: dict) -> str:
             f"| {shape} | {budget} | {setting} | {_x(f['wiki_test_32'], s['wiki_test_32'])} | "
             f"{_x(f['wiki_test_64'], s['wiki_test_64'])} | {_x(f['lee_test'], s['lee_test'])} | "
             f"{_x(h['code'], src['held_out']['code'])} | {_x(h['licences'], src['held_out']['licences'])} | "
-            + (f"{row['wall_s'] / 60:.1f}, {row['peak_rss_gb']:.2f}, {row['load_before'][0]:.1f} |" if "wall_s" in row else "- |")
+            + (f"{row['wall_s'] / 60:.1f}, {row['peak_rss_gib']:.2f}, {row['load_before'][0]:.1f} |" if "wall_s" in row else "- |")
         )
     for key in ("qwen2_1p5b_layer_cost", "qwen2_1p5b_layer_cost_bf16"):
         cost = results.get(key)

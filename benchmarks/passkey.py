@@ -231,7 +231,7 @@ def report(data: dict) -> None:
     if missing:
         lines += [f"Not measured: {', '.join(missing)} (its conversion did not finish in the session that ran this; "
                   "`python -m benchmarks.passkey` makes it under out/passkey and measures it).", ""]
-    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gb']} GB"
+    conv = [f"{k.split('/')[1]}: {v['wall_s']:.0f} s wall, peak RSS {v['peak_rss_gib']} GiB"
             + "".join(f" ({x})" for x in (v.get("cpu", XEON), v.get("note")) if x)
             for k, v in data.items()
             if k.startswith("convert/") and isinstance(v, dict) and "wall_s" in v]

@@ -240,7 +240,7 @@ def report(results: dict) -> str:
              "fit; those folders were deleted before code and licences were measured), peak RSS and wall time from "
              "/usr/bin/time -v; load = 1-minute load average before the run (2 cores).", "",
              "| run | calibration | KV elements / token / layer | " + " | ".join(f"{t} | x" for t in TEXTS)
-             + " | windows | peak RSS GB | wall s | load |",
+             + " | windows | peak RSS GiB | wall s | load |",
              "|---|---|---|" + "---|---|" * len(TEXTS) + "---|---|---|---|"]
     for e in rows:
         src = source.get(e["windows"])
@@ -254,7 +254,7 @@ def report(results: dict) -> str:
             cells += [f"{ppl:.2f}", ratio]
         c = e.get("conversion")
         load = f"{c['load_before'][0]:.1f}" if c and c.get("load_before") else ""
-        cost = f"{c['peak_rss_gb']} | {c['wall_s']} | {load}" if c else " | | "
+        cost = f"{c['peak_rss_gib']} | {c['wall_s']} | {load}" if c else " | | "
         name = f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]
         lines.append(f"| {name} | {calibration_label(e)} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | "
                      f"{' | '.join(cells)} | {e['windows']} | {cost} |")

@@ -32,3 +32,16 @@ def test_ik_report_gives_no_ratio_across_cpus(tmp_path, monkeypatch):
     assert "| AMD EPYC | 100.0 | 0.50x |" in rows["conversion flash-mla"]
     assert "| Intel(R) Xeon(R) Processor | 300.0 | other CPU |" in rows["conversion flash-absorbed"]
     assert "| Intel(R) Xeon(R) Processor | 50.0 | other CPU |" in rows["conversion gemm"]
+
+
+def test_measured_reads_peak_rss_as_kib(tmp_path):
+    """/usr/bin/time -v's "kbytes" are KiB: 2,839,328 of them are 2.708 GiB (2.91 GB, not 2.84)."""
+    from benchmarks.common import measured
+
+    log = tmp_path / "time.log"
+    log.write_text("\tUser time (seconds): 5000.50\n\tSystem time (seconds): 12.25\n"
+                   "\tElapsed (wall clock) time (h:mm:ss or m:ss): 1:35:41.02\n"
+                   "\tMaximum resident set size (kbytes): 2839328\n")
+    got = measured(log)
+    assert got["peak_rss_gib"] == 2.708 and "peak_rss_gb" not in got
+    assert got["wall_s"] == 5741.0 and got["cpu_s"] == 5012.8
