@@ -23,7 +23,7 @@ import os
 import subprocess
 import time
 
-from .common import RESULTS, TRANSMLA, ResultCache, log
+from .common import RESULTS, TRANSMLA, ResultCache, log, run_notes
 from .passkey import EARLIER, MODEL, MODELS, converted, cpu_name, runs_by_cpu
 
 STEM = "choice_tasks_smollm2"
@@ -34,7 +34,7 @@ SECONDS_NOTE = ("Seconds come from when each row ran: until 2026-11-27 every can
                 "scores, cloze in 65 s against 170 s, recall in 273 s against 1235 s).")
 
 
-def run_one(spec: str, task: str) -> dict:
+def run_one(spec: str, task: str, note: str | None) -> dict:
     before = os.getloadavg()[0]
     start = time.perf_counter()
     cmd = [str(TRANSMLA), "eval", spec, "--task", task, "--items", str(ITEMS), *TASKS[task], "--json"]
@@ -43,7 +43,8 @@ def run_one(spec: str, task: str) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
     entry = json.loads(proc.stdout)["models"][0]
     return entry | {"wall_seconds": round(time.perf_counter() - start, 1), "load_before": round(before, 2),
-                    "load_after": round(os.getloadavg()[0], 2), "cpu": cpu_name(), "command": " ".join(cmd[1:])}
+                    "load_after": round(os.getloadavg()[0], 2), "cpu": cpu_name(), "command": " ".join(cmd[1:]),
+                    **({"note": note} if note else {})}
 
 
 def report(results: dict) -> str:
@@ -63,9 +64,7 @@ def report(results: dict) -> str:
     if runs:
         cpus = runs_by_cpu(run_rows)
         L += ["", f"CPU (2 cores) of each run: {cpus}; load {min(e['load_before'] for e in runs):.1f}-{max(e['load_after'] for e in runs):.1f} around the "
-              "runs (seconds are wall time under that load and differ by CPU: the AMD EPYC rows of "
-              "2026-11-27 and 11-28 ran on one with AVX2 only; transmla 25% exportable, 2026-12-06, on one with AVX-512 BF16, two "
-              "threads, its folder the one `make demo` had just converted with the same command)."]
+              "runs (seconds are wall time under that load and differ by CPU).", "", run_notes(run_rows)]
     L += ["", SECONDS_NOTE]
     return "\n".join(L) + "\n"
 
@@ -73,7 +72,9 @@ def report(results: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(MODELS))
-    ap.add_argument("--report", action="store_true")
+    ap.add_argument("--report", action="store_true", help="only rewrite the Markdown")
+    ap.add_argument("--note", help="what the recorded CPU and load do not say (the CPU's kind, threads, what else ran), "
+                                   "kept with the runs made now")
     args = ap.parse_args(argv)
     cache = ResultCache(RESULTS / f"{STEM}.json")
     if not args.report:
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
                 key = f"{role}/{task}"
                 if key not in cache.results:
                     log(f"{key} ...")
-                    cache.results[key] = run_one(spec, task)
+                    cache.results[key] = run_one(spec, task, args.note)
                     cache.save()
                     log(f"{key}: acc {cache.results[key]['acc']:.0%}")
                     (RESULTS / f"{STEM}.md").write_text(report(cache.results))

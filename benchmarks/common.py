@@ -93,6 +93,18 @@ class ResultCache:
         return self.results[key]
 
 
+def run_notes(named: dict[str, dict]) -> str:
+    """A Markdown list of each entry's "note" (what the recorded CPU and load do not say: what else ran, how many
+    threads; a benchmark's --note sets it), one item per note with the runs that have it; '' if none has one."""
+    by_note: dict[str, list[str]] = {}
+    for name, entry in named.items():
+        if entry.get("note"):
+            by_note.setdefault(entry["note"], []).append(name)
+    if not by_note:
+        return ""
+    return "\n".join(["Notes on the runs:", "", *(f"- {', '.join(names)}: {note}." for note, names in by_note.items())])
+
+
 def measured(log_file: Path) -> dict:
     """Peak RSS (GiB: /usr/bin/time's kilobytes are KiB) and wall time of a finished run from its /usr/bin/time -v log."""
     text = log_file.read_text()

@@ -5,6 +5,7 @@
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-shared   # exportable rope; biases dropped
     .venv/bin/python -m benchmarks.qwen2_1p5b --bias-ablation 2       # the source with its biases zeroed
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-cli --tag epyc-bf16   # a row beside an earlier one
+    .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-cli --tag epyc-bf16 --note "the other core busy"   # kept with the row
     .venv/bin/python -m benchmarks.qwen2_1p5b --report                # only the table
 
 A run is one model: `source` (the built-in, dequantized once from its Q4_K_M GGUF into fp32
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from transmla.checkpoint.resolve import cache_root
 
-from .common import TRANSMLA, RESULTS, ResultCache, log, machine, measured, stock_perplexities, timed, transmla_json
+from .common import TRANSMLA, RESULTS, ResultCache, log, machine, measured, run_notes, stock_perplexities, timed, transmla_json
 
 MODEL = "qwen2.5-coder-1.5b"
 OUT_JSON = RESULTS / "qwen2_1p5b.json"
@@ -183,15 +184,21 @@ def bias_ablation(windows: int) -> dict:
     return entry
 
 
-def run_one(results: ResultCache, run: str, windows: int, keep: bool, tag: str | None = None) -> None:
+def run_one(results: ResultCache, run: str, windows: int, keep: bool, tag: str | None = None,
+            note: str | None = None) -> None:
     """Convert (today's CLI defaults) and evaluate one run; a run measured before gains only the texts it lacks. A tag
-    keeps the row beside an earlier one of the same run (another CPU, the defaults of another day)."""
+    keeps the row beside an earlier one of the same run (another CPU, the defaults of another day); a note says what
+    the recorded machine and load do not (it replaces the run's earlier note)."""
     key = f"{run}@{windows}" + (f"@{tag}" if tag else "")
     entry = results.results.get(key)
+    if entry is not None and note:
+        entry["note"] = note
+        results.save()
     if entry is not None and all(text in entry for text in TEXTS):
         return
     folder, cost = convert(run)
-    entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine(), **({"tag": tag} if tag else {})}
+    entry = entry or {"run": run, "windows": windows, "conversion": cost, "machine": machine(), **({"tag": tag} if tag else {}),
+                      **({"note": note} if note else {})}
 
     def save(entry: dict) -> None:  # each text as it is measured: a stopped run keeps them (its folder with --keep)
         results.results[key] = entry
@@ -289,15 +296,8 @@ def report(results: dict) -> str:
         name = f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]
         threads = f" on {m['threads']} thread{'s' * (m['threads'] != 1)}" if m.get("threads") else ""
         cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(name + threads)
-    lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items())
-              + ". The lossless and MHA2MLA conversions and every evaluation before transmla-0.25-cli shared the CPU with "
-              "other jobs; transmla-0.25-cli ran alone on both cores; transmla-0.25-cli (epyc-bf16) on one core, "
-              "the other busy with other work; transmla-0.25-cli (epyc-bf16-store): the same defaults with the fit's "
-              "sequences stored in bf16 (c1ccd2b; the same fitted layers bit for bit), on one core of another AVX-512 "
-              "BF16 EPYC (its bf16 probe 2.2x against the first one's 5-8x), the other core busy with other work; "
-              "transmla-0.5-cli (epyc-bf16-store): converted by hand with the same command on both cores of that EPYC "
-              "(two threads, a niced one-thread job beside it part of the time, so no load recorded), then reused "
-              "and evaluated here on one thread (the other core running the passkey cells).", ""]
+    lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items()) + ".",
+              "", run_notes({f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]: e for e in rows}), ""]
     return "\n".join(lines)
 
 
@@ -309,6 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the converted folders (7 GB each)")
     ap.add_argument("--report", action="store_true", help="only rewrite the Markdown table")
     ap.add_argument("--tag", help="key the runs' rows apart from earlier rows of the same runs (e.g. the CPU)")
+    ap.add_argument("--note", help="what the recorded CPU and load do not say (what else ran, threads), kept with the runs' rows")
     ap.add_argument("--bias-ablation", type=int, metavar="W",
                     help="score the source with its attention biases zeroed on W windows per text (and nothing else)")
     args = ap.parse_args(argv)
@@ -317,7 +318,7 @@ def main(argv=None) -> int:
         results.cached(f"bias_ablation@{args.bias_ablation}", lambda: bias_ablation(args.bias_ablation) | {"machine": machine()})
     elif not args.report:
         for run in args.runs.split(","):
-            run_one(results, run.strip(), args.windows, args.keep, args.tag)
+            run_one(results, run.strip(), args.windows, args.keep, args.tag, args.note)
     OUT_MD.write_text(report(results.results))
     print(OUT_MD.read_text())
     return 0

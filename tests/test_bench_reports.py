@@ -45,3 +45,12 @@ def test_measured_reads_peak_rss_as_kib(tmp_path):
     got = measured(log)
     assert got["peak_rss_gib"] == 2.708 and "peak_rss_gb" not in got
     assert got["wall_s"] == 5741.0 and got["cpu_s"] == 5012.8
+
+
+def test_run_notes_group_runs_by_note():
+    from benchmarks.common import run_notes
+
+    assert run_notes({"a": {}, "b": {"note": ""}}) == ""
+    text = run_notes({"a": {"note": "two threads"}, "b": {}, "c": {"note": "one core; the other busy"},
+                      "d": {"note": "two threads"}})
+    assert text.splitlines() == ["Notes on the runs:", "", "- a, d: two threads.", "- c: one core; the other busy."]
