@@ -56,7 +56,6 @@ PROTOCOL = (
 ANCHOR_MHA2MLA = {0.5: 853.0, 0.25: 5364.0, 0.125: 76568.0}  # public MHA2MLA S_high joint, wiki-test, 32 windows
 ANCHOR_MHA2MLA_2NORM = {0.5: 1545.0, 0.25: 12189.0, 0.125: 79107.0}
 ANCHOR_TRANSMLA = {0.5: 33.18, 0.25: 83.60, 0.125: 258.71}  # public TransMLA best at each budget
-ANCHOR_SOURCE = 18.15
 
 
 def key(model: str, budget: float, select: str, svd: str, weighting: str, pairs: int) -> str:

@@ -53,7 +53,6 @@ WORK = cache_root() / "bench-qwen2"
 # code: stdlib modules n..z (the default calibration has a..m); licences: no calibration has their domain
 TEXTS = ("wiki", "lee", "code", "licences")
 BIAS_TEXTS = ("wiki", "lee")  # the texts of the dropped-bias comparison
-PRE_FIT = "pre-fit"  # key suffix of the rows converted with the defaults of c38b79e (wiki calibration, no fit)
 SEQ = 512
 PROMPT = "def fibonacci(n):"
 

@@ -66,7 +66,6 @@ class Bench:
         self.results, self.cached, self.save = self.cache.results, self.cache.cached, self.cache.save
         wiki_calib = tokenize_text(self.tok, load_text("wiki", "calib"))
         self.dev_ids = wiki_calib[-8 * SEQ :]  # [4096]
-        self.dev_start = wiki_calib.numel() - 8 * SEQ
         lee_calib = tokenize_text(self.tok, load_text("lee", "calib"))
         # dev32: 16 windows from the end of the wiki calibration part and the first 16 of the lee
         # calibration part (never used for calibration: the calibration text is wiki).

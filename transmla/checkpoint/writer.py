@@ -177,11 +177,6 @@ class ShardedWriter:
         self._entries = []
         self._buffer_bytes = 0
 
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of tensor data added so far."""
-        return self._total_bytes
-
     def close(self) -> list[str]:
         """Write the last shard, give shards their final names, write the index.
 

@@ -25,7 +25,6 @@ from ..families import attention_geometry, family_for
 from ..mla.attention import MLAAttention
 from ..progress import progress_bar
 from .layers import MLALayer, SourceAttention, read_source_attention
-from .lowrank import with_bias_column
 from .assemble import mla_config
 from .options import PROPAGATIONS
 from .qk_norm import linear_source, source_inputs
@@ -44,14 +43,6 @@ class LayerStats:
     tokens: int
     q_pair_norm: torch.Tensor | None = None  # [H, d/2] mean 2-norm of each query head's pair
     k_pair_norm: torch.Tensor | None = None  # [g, d/2]
-
-    def input_gram(self) -> torch.Tensor:
-        return self.gram
-
-    def second_moment(self, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """E[(W x + b)(W x + b)^T] (float64) for w [out, D]."""
-        wa = with_bias_column(w, b, torch.float64)  # [out, D+1]
-        return wa @ self.gram @ wa.T
 
 
 class _StatsAccumulator:

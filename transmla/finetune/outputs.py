@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from ..checkpoint.files import refuse_symlinks

@@ -50,11 +50,6 @@ class MHA2MLAShape:
         return self.num_kv_heads * 2 * self.rope_pairs
 
     @property
-    def nope_dim(self) -> int:
-        """Per-head q/k dims without position: d - 2P."""
-        return self.head_dim - 2 * self.rope_pairs
-
-    @property
     def full_latent(self) -> int:
         """[K_nope; V] before truncation: g*(d - 2P) + g*d = 2*g*d - g*2P."""
         return 2 * self.num_kv_heads * self.head_dim - self.rope_dim
