@@ -51,6 +51,14 @@ the 1.15x goal. It is a measurement, not a choice: whether corrected becomes the
 above (SmolLM2's 25% rule in benchmarks/retrieval_ladder.py).
 transmla-50 measured again with today's CLI (far term; 2026-11-28, AMD EPYC, 143 min beside another job): 1.37x / 1.37x / 1.23x on wiki / lee / code, goal not met, 3-6% worse than
 before the far term (that row kept as transmla-50-before-far). 50-192+64+fit-corrected not run (time).
+Retrieval (passkeys at 1K / 2K: 5 of 18 at 50% and at 25% against the source's 17, results/gemma3_270m_passkey*):
+at 1K+ only Gemma 3's 3 global layers (5, 11, 17; the other 15 have a 512-token window) can read the key, and the
+CLI's far term fits layers L/2 .. 5L/6 (9-14), so it reaches one of them (11) and spends itself on 5 sliding layers.
+Next, written before measuring (session of 2026-12-06; needs the far term's layers as a convert option, not yet
+there): 50-192+64+fit-far-global, the CLI's 50% conversion with the far term on the layers without a window (5, 11,
+17) instead. It replaces the CLI's choice of far layers for sources with sliding windows only if, against the CLI's
+transmla-50 on the same dev material, its dev passkeys (1K / 2K, 3 keys at 10 / 50 / 90%, seed 1: never the test
+seed 0) find at least 4 more keys and its dev32 is at most 2% higher; then the test passkeys and --lossy windows.
 
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
