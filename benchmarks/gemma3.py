@@ -54,9 +54,9 @@ before the far term (that row kept as transmla-50-before-far). 50-192+64+fit-cor
 Retrieval (passkeys at 1K / 2K: 5 of 18 at 50% and at 25% against the source's 17, results/gemma3_270m_passkey*):
 at 1K+ only Gemma 3's 3 global layers (5, 11, 17; the other 15 have a 512-token window) can read the key, and the
 CLI's far term fits layers L/2 .. 5L/6 (9-14), so it reaches one of them (11) and spends itself on 5 sliding layers.
-Next, written before measuring (session of 2026-12-06; needs the far term's layers as a convert option, not yet
-there): 50-192+64+fit-far-global, the CLI's 50% conversion with the far term on the layers without a window (5, 11,
-17) instead. It replaces the CLI's choice of far layers for sources with sliding windows only if, against the CLI's
+Next, written before measuring (session of 2026-12-06; not run yet): 50-192+64+fit-far-global, the CLI's 50%
+conversion with the far term on the layers without a window (5, 11, 17) instead (in-process: the CLI's FitSettings
+with far_layers replaced, passed to LayerStream as benchmarks/retrieval_ladder passes its fit settings). It replaces the CLI's choice of far layers for sources with sliding windows only if, against the CLI's
 transmla-50 on the same dev material, its dev passkeys (1K / 2K, 3 keys at 10 / 50 / 90%, seed 1: never the test
 seed 0) find at least 4 more keys and its dev32 is at most 2% higher; then the test passkeys and --lossy windows.
 
