@@ -54,3 +54,11 @@ def test_run_notes_group_runs_by_note():
     text = run_notes({"a": {"note": "two threads"}, "b": {}, "c": {"note": "one core; the other busy"},
                       "d": {"note": "two threads"}})
     assert text.splitlines() == ["Notes on the runs:", "", "- a, d: two threads.", "- c: one core; the other busy."]
+
+
+def test_eval_memory_reads_the_eval_json_before_the_time_report():
+    from benchmarks.eval_memory import eval_json
+
+    doc = {"model": "out/m", "perplexity": 27.5, "source": {"model": "smollm2-135m", "perplexity": 18.0}}
+    text = json.dumps(doc, indent=2) + "\n\tCommand being timed: \"transmla eval ...\"\n\tMaximum resident set size (kbytes): 1633148\n"
+    assert eval_json("perplexity 8/8 (done)\n" + text) == doc
