@@ -51,14 +51,14 @@ def measure(tree: Path, model: str, windows: int) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = ["# Peak memory of `transmla eval` as `make demo` runs it", "", (__doc__ or "").split("\n\n")[1].strip(), "",
+    lines = ["# Peak memory of `transmla eval` as `make demo` runs it", "", (__doc__ or "").split("\n\n")[2].strip(), "",
              "| run | commit | windows | peak RSS GiB | wall s | CPU s | perplexities | CPU, load |", "|---" * 8 + "|"]
     runs = {k: v for k, v in results.items() if isinstance(v, dict) and "peak_rss_gib" in v}
     for label, r in runs.items():
         ppl = ", ".join(f"{Path(m).name} {p:.4f}" for m, p in r["perplexity"].items())
         m = r["machine"]
         lines.append(f"| {label} | {r['commit']} | {r['windows']} | {r['peak_rss_gib']:.3f} | {r['wall_s']} | {r['cpu_s']} | "
-                     f"{ppl} | {m.get('machine')}, load {r['load_before']} |")
+                     f"{ppl} | {m.get('machine')}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f} |")
     notes = run_notes(runs)
     return "\n".join(lines + ["", notes] if notes else lines) + "\n"
 
