@@ -5,9 +5,9 @@
     .venv/bin/python -m benchmarks.eval_memory --tree /tmp/before --label before   # another checkout's code, same venv
     .venv/bin/python -m benchmarks.eval_memory --report                 # only the Markdown
 
-Runs `transmla eval MODEL --compare smollm2-135m --data wiki --max-windows W --json` (make demo's eval of its 25%
-conversion; MODEL defaults to the folder the demo writes, out/smollm2-transmla-25) under /usr/bin/time -v, with
-the package of TREE (`python -P` and PYTHONPATH=TREE: that checkout's transmla, this interpreter's libraries), one
+Runs `transmla eval MODEL --compare SOURCE --data wiki --max-windows W --json` (by default make demo's eval of
+its 25% conversion: MODEL the folder the demo writes, out/smollm2-transmla-25, SOURCE smollm2-135m; `--model`
+and `--compare` name others) under /usr/bin/time -v, with the package of TREE (`python -P` and PYTHONPATH=TREE: that checkout's transmla, this interpreter's libraries), one
 thread. Records the peak RSS (GiB), wall and CPU seconds, both models' perplexities (a change that only saves
 memory leaves them equal), the commit of TREE, the CPU and the load around the run; `--note` says what else ran.
 Writes benchmarks/results/eval_memory.{json,md}.
@@ -36,11 +36,11 @@ def eval_json(log_text: str) -> dict:
     return json.JSONDecoder().raw_decode(log_text[start:])[0]
 
 
-def measure(tree: Path, model: str, windows: int) -> dict:
+def measure(tree: Path, model: str, source: str, windows: int) -> dict:
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=True).stdout.strip()
     cmd = ["env", f"PYTHONPATH={tree}", "OMP_NUM_THREADS=1", sys.executable, "-P", "-m", "transmla.cli.app", "eval",
-           model, "--compare", SOURCE, "--data", "wiki", "--max-windows", str(windows), "--json"]
+           model, "--compare", source, "--data", "wiki", "--max-windows", str(windows), "--json"]
     with tempfile.TemporaryDirectory() as tmp:
         log_file = Path(tmp) / "time.log"
         cost = timed(cmd, log_file)
@@ -66,6 +66,7 @@ def report(results: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "out" / "smollm2-transmla-25"), help="the converted model (default: make demo's)")
+    ap.add_argument("--compare", default=SOURCE, help=f"the source it is compared with (default {SOURCE}, make demo's)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose transmla runs (default: this one)")
     ap.add_argument("--label", default="current", help="the run's row (default: current)")
     ap.add_argument("--windows", type=int, default=32, help="evaluation windows (default 32, make demo's)")
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         if not (Path(args.model) / "config.json").is_file():
             raise SystemExit(f"no converted model at {args.model} (make demo writes it)")
         log(f"{args.label}: eval with {args.tree}'s transmla ...")
-        cache.results[args.label] = measure(args.tree.resolve(), args.model, args.windows) | (
+        cache.results[args.label] = measure(args.tree.resolve(), args.model, args.compare, args.windows) | (
             {"note": args.note} if args.note else {})
         cache.save()
         log(f"{args.label}: peak RSS {cache.results[args.label]['peak_rss_gib']} GiB")
