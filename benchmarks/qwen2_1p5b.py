@@ -235,6 +235,11 @@ def calibration_label(entry: dict) -> str:
     return f"{label} ({defaults})" if defaults else label
 
 
+def row_name(entry: dict) -> str:
+    """A run's name in the reports: the run, and its tag if it has one."""
+    return f"{entry['run']} ({entry['tag']})" if entry.get("tag") else entry["run"]
+
+
 def report(results: dict) -> str:
     rows = sorted((e for e in results.values() if "run" in e), key=lambda e: (e["run"] != "source", e["run"] != "lossless", e["run"]))
     source = {e["windows"]: e for e in rows if e["run"] == "source"}
@@ -261,7 +266,7 @@ def report(results: dict) -> str:
         c = e.get("conversion")
         load = f"{c['load_before'][0]:.1f}" if c and c.get("load_before") else ""
         cost = f"{c['peak_rss_gib']} | {c['wall_s']} | {load}" if c else " | | "
-        name = f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]
+        name = row_name(e)
         lines.append(f"| {name} | {calibration_label(e)} | {e['wiki'].get('kv_elements_per_token_per_layer', '')} | "
                      f"{' | '.join(cells)} | {e['windows']} | {cost} |")
     dropped = [e for e in rows if "drop_biases" in e]
@@ -292,11 +297,11 @@ def report(results: dict) -> str:
     cpus: dict[str, list[str]] = {}  # the CPU each row ran on
     for e in rows:
         m = e.get("machine", {})
-        name = f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]
+        name = row_name(e)
         threads = f" on {m['threads']} thread{'s' * (m['threads'] != 1)}" if m.get("threads") else ""
         cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(name + threads)
     lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items()) + ".",
-              "", run_notes({f"{e['run']} ({e['tag']})" if e.get("tag") else e["run"]: e for e in rows}), ""]
+              "", run_notes({row_name(e): e for e in rows}), ""]
     return "\n".join(lines)
 
 
