@@ -106,7 +106,7 @@ FIT_VARIANTS = (  # (name, minibatch tokens, bf16 autocast)
     ("1024 tokens, fp32", 1024, False),
     ("512 tokens, fp32", 512, False),
 )
-STAGES = ("statistics", "method", "fit targets", "fit Adam", "fit closed forms")
+STAGES = ("statistics", "method", "fit targets", "fit Adam", "fit closed forms", "source forward")
 
 
 def cpu_flags() -> dict:
@@ -116,9 +116,25 @@ def cpu_flags() -> dict:
 class StageClock:
     """Seconds per stage, by wrapping the module functions each stage runs (restored on exit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 0) -> None:
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.variants: list[dict] = []
+        self.layers = layers  # > 0: stop the conversion when it reaches this layer (the first `layers` timed)
+        self.stopped = False
+        self.fit: output_fit.FitSettings | None = None  # the settings of the fit that ran
+
+    def _timed_forward(self, module) -> None:
+        """Time every forward of `module` (a source decoder layer: the streams' propagation) as "source forward"."""
+        start = [0.0]
+
+        def pre(*_):
+            start[0] = time.perf_counter()
+
+        def post(*_):
+            self.seconds["source forward"] += time.perf_counter() - start[0]
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
 
     def _wrap(self, owner, name: str, stage: str, undo: list) -> None:
         fn = getattr(owner, name)
@@ -142,6 +158,26 @@ class StageClock:
         self._wrap(output_fit, "adam_fit", "fit Adam", undo)
         self._wrap(output_fit, "refit_o_proj_errors", "fit closed forms", undo)
         self._wrap(output_fit, "output_error", "fit closed forms", undo)
+        load_layer = calibrate._load_decoder_layer
+
+        def load_timed(reader, config, layer, device):
+            if self.layers and layer >= self.layers:
+                self.stopped = True
+                raise EnoughLayers(f"stopped at layer {layer}: the first {self.layers} timed")
+            module = load_layer(reader, config, layer, device)
+            self._timed_forward(module)
+            return module
+
+        undo.append((calibrate, "_load_decoder_layer", load_layer))
+        calibrate._load_decoder_layer = load_timed
+        fit_settings = pipeline.fit_layer
+
+        def fit_recorded(config, layer, x, z, settings, *args, **kwargs):
+            self.fit = settings
+            return fit_settings(config, layer, x, z, settings, *args, **kwargs)
+
+        undo.append((pipeline, "fit_layer", fit_settings))
+        pipeline.fit_layer = fit_recorded
         if variants:
             fit_layer = pipeline.fit_layer
 
@@ -167,43 +203,44 @@ class StageClock:
                 setattr(owner, name, fn)
 
 
-def fit_record(out: Path) -> dict:
-    """The written conversion's fit record (its config.json's calibration.fit)."""
-    import json
-
-    method = json.loads((out / "config.json").read_text()).get("mla", {}).get("method") or {}
-    return (method.get("calibration") or {}).get("fit") or {}
+class EnoughLayers(Exception):
+    """Raised inside the conversion when --layers have been timed (the CLI then writes nothing)."""
 
 
-def fit_rates(out: Path) -> str:
-    """How the written conversion's fit set Adam's rates."""
-    return "relative" if fit_record(out).get("relative_lr") else "constant"
+def fit_summary(fit: output_fit.FitSettings | None) -> dict:
+    """What a record says of the fit that ran: its bf16 passes and Adam's rates."""
+    if fit is None:
+        return {"fit_rates": "constant", "fit_bf16_passes": False}
+    return {"fit_rates": "relative" if fit.relative_lr else "constant", "fit_bf16_passes": bool(fit.bf16_passes)}
 
 
-def run(budget: float, per_layer_rope: bool, variants: bool, out: Path) -> dict:
+def run(budget: float, per_layer_rope: bool, variants: bool, out: Path, model: str = MODEL, layers: int = 0,
+        options: tuple[str, ...] = ()) -> dict:
+    """The CLI's conversion of `model` (with `options` besides the CLI's defaults) with every stage timed."""
     from transmla.cli.app import main as cli_main
 
-    argv = ["convert", MODEL, str(out), "--method", "transmla", "--kv-budget", str(budget), "--force"]
-    argv += ["--per-layer-rope"] if per_layer_rope else []
-    clock = StageClock()
+    argv = ["convert", str(model), str(out), "--method", "transmla", "--kv-budget", str(budget), "--force"]
+    argv += (["--per-layer-rope"] if per_layer_rope else []) + list(options)
+    clock = StageClock(layers)
     load = os.getloadavg()[0]
     with clock.installed(variants):
         start = time.perf_counter()
         code = cli_main(argv)
-        if code:
-            raise SystemExit(f"transmla convert failed with exit code {code}")
         wall = time.perf_counter() - start
+    if code and not clock.stopped:
+        raise SystemExit(f"transmla convert failed with exit code {code}")
     if variants:  # the variant fits ran inside the wall time: the stages only count what the default ran
         wall -= sum(v["seconds"] for v in clock.variants)
-    stages = {k: round(v, 1) for k, v in clock.seconds.items()}
-    stages["the rest"] = round(wall - sum(stages.values()), 1)
+    stages = {k: round(v, 3) for k, v in clock.seconds.items()}
+    stages["the rest"] = round(wall - sum(stages.values()), 3)
     return {
         "command": "transmla " + " ".join(argv[:2] + ["OUT"] + argv[3:]),
         "wall_seconds": round(wall, 1), "stages": stages, "variants": clock.variants,
-        "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "load_before": load},
+        "layers_timed": layers or "all",
+        "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "load_before": load,
+                                "load_after": os.getloadavg()[0]},
         "fit_bf16": fast_bf16_matmul("cpu"),  # what the CLI's fit ran under
-        "fit_rates": fit_rates(out),
-        "fit_bf16_passes": bool(fit_record(out).get("bf16_passes")),  # the streams and closed forms in bf16 too
+        **fit_summary(clock.fit),
     }
 
 
@@ -298,19 +335,20 @@ def report(rows: dict) -> str:
     attention = {k: r for k, r in rows.items() if k.startswith("attention|")}
     jobs = {k: r for k, r in rows.items() if k.startswith("jobs|")}
     rows = {k: r for k, r in rows.items() if k not in attention and k not in jobs}
-    lines = ["# Where a conversion's time goes (SmolLM2-135M, TransMLA, the CLI's defaults)", "",
+    lines = ["# Where a conversion's time goes (TransMLA, the CLI's defaults)", "",
              "Made by `python -m benchmarks.fit_cost` (stages in its docstring). Seconds are wall time of the",
-             "conversion process; threads and load as recorded.", "",
-             "| conversion | CPU (AMX, AVX-512 BF16) | threads, load | fit under | total min | "
-             + " | ".join(STAGES) + " | the rest |", "|---" * (6 + len(STAGES)) + "|"]
+             "conversion process, over the layers timed (all, or the first N with `--layers N`); threads and load as",
+             "recorded. Rows without a source forward column counted it in the rest.", "",
+             "| conversion | CPU (AMX, AVX-512 BF16) | threads, load | fit under | layers timed | total min | "
+             + " | ".join(STAGES) + " | the rest |", "|---" * (7 + len(STAGES)) + "|"]
     for key, r in rows.items():
         m, f = r["machine"], r["machine"]["cpu_flags"]
         st = r["stages"]
         lines.append(f"| {r['command']} | {m.get('cpu', m.get('machine'))} ({'yes' if f['amx'] else 'no'}, "
                      f"{'yes' if f['avx512_bf16'] else 'no'}) | {m['threads']}, {m['load_before']:.1f} | "
                      f"{'bf16 (every pass)' if r.get('fit_bf16_passes') else 'bf16' if r['fit_bf16'] else 'fp32'}, "
-                     f"{r.get('fit_rates', 'constant')} rates | {r['wall_seconds'] / 60:.1f} | "
-                     + " | ".join(f"{st[s]:.0f}" for s in STAGES) + f" | {st['the rest']:.0f} |")
+                     f"{r.get('fit_rates', 'constant')} rates | {r.get('layers_timed', 'all')} | {r['wall_seconds'] / 60:.1f} | "
+                     + " | ".join(f"{st[s]:.0f}" if s in st else "-" for s in STAGES) + f" | {st['the rest']:.0f} |")
     variant_rows = [(key, v) for key, r in rows.items() for v in r["variants"]]
     if variant_rows:
         lines += ["", "## The fit of one layer under each setting (same layer, inputs and targets; 200 Adam steps)", "",
@@ -345,6 +383,9 @@ def report(rows: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--model", default=MODEL, help="the source to convert (default: the built-in SmolLM2-135M)")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="time the first N layers only (the conversion stops there and writes nothing)")
     parser.add_argument("--per-layer-rope", action="store_true", help="the native shape (default: the CLI's exportable one)")
     parser.add_argument("--variants", action="store_true", help="also fit layers 2 and 12 under each FIT_VARIANTS setting")
     parser.add_argument("--attention", action="store_true", help="only time SDPA with values padded or not")
@@ -366,10 +407,11 @@ def main(argv=None) -> int:
             log(f"{row['command']}: {row['wall_seconds'] / 60:.1f} min, {row['peak_tree_pss_mib']} MiB, "
                 f"error after {row['output_error_after']}")
     elif not args.report:
-        row = run(args.budget, args.per_layer_rope, args.variants, args.out)
+        row = run(args.budget, args.per_layer_rope, args.variants, args.out, args.model, args.layers)
         key = f"{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['command']}|{row['machine']['threads']}"
         key += "" if row["fit_rates"] == "constant" else f"|{row['fit_rates']} rates"
         key += "|bf16 passes" if row["fit_bf16_passes"] else ""
+        key += f"|{args.layers} layers" if args.layers else ""
         if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
             row["variants"] = rows[key]["variants"]
         rows[key] = row
