@@ -165,3 +165,25 @@ def test_expanded_values_padded_to_key_width_change_nothing(monkeypatch, masked)
     torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
     for ga, gb in zip(grads_a, grads_b):  # fp32 sums in another order: relative to each gradient's size
         assert float((gb - ga).norm() / ga.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("q_lora,kv_norm", [(None, False), (7, True)])
+def test_outputs_at_equals_the_expanded_forward_with_gradients(bias, q_lora, kv_norm):
+    """outputs_at (the fit's loss on sampled queries, absorbed: _absorbed_at) equals the expanded forward at
+    those positions, values and gradients of every parameter (kv_b_proj's V bias included), fp32."""
+    config = random_mla_config(bias, q_lora, kv_norm)
+    config.decode = "expanded"
+    attn = MLAAttention(config, 0).eval()
+    randomize(attn)
+    x = torch.randn(2, 11, 32)
+    at = torch.tensor([0, 4, 5, 10])
+    weight = torch.randn(2, 4, 32)
+    params = list(attn.parameters())
+    full = attn(x, position_ids=torch.arange(11)[None])[0][:, at]
+    sampled = attn.outputs_at(x, at)
+    torch.testing.assert_close(sampled, full, atol=1e-5, rtol=1e-5)
+    want = torch.autograd.grad((full * weight).sum(), params)
+    got = torch.autograd.grad((sampled * weight).sum(), params)
+    for (name, _), g, w in zip(attn.named_parameters(), got, want):
+        torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max().clamp_min(1)), rtol=1e-5, msg=lambda m: f"{name}: {m}")

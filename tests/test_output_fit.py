@@ -226,6 +226,34 @@ def test_outputs_at_sampled_queries_equal_the_full_forward(tiny_factory, family,
     torch.testing.assert_close(sampled, full[:, at], atol=1e-5 * float(full.abs().max()), rtol=1e-5)
 
 
+@pytest.mark.parametrize("family,bias,window", [("llama", True, None), ("mistral", False, 6), ("qwen3", False, None)])
+def test_outputs_at_gradients_equal_the_full_forward(tiny_factory, family, bias, window):
+    """outputs_at computes its attention in the absorbed form (MLAAttention._absorbed_at): the fit's Adam
+    steps see the expanded forward's gradients, biases, sliding window and QK-norm pre-maps included, and
+    under a far mask too (keys_seen); fp32, 1e-5 of the largest gradient."""
+    kw = {"sliding_window": window} if window else {}
+    source, path = tiny_factory(family, bias=bias, **kw)
+    config = AutoConfig.from_pretrained(path)
+    _, stream = _stream(path, None)
+    layer = next(iter(stream))
+    x, _ = _source_io(source, 0, _ids(5, 3, 20))
+    attn = mla_attention(config, layer, "cpu")
+    for p in attn.parameters():
+        p.requires_grad_(True)
+    at = torch.tensor([0, 3, 7, 8, 15, 19])
+    seen = output_fit.far_mask(x.shape[1], 4, window or 0)[at]  # [m, T], within the window as the forward keeps it
+    weight = torch.randn(x.shape[0], at.shape[0], x.shape[2], generator=torch.Generator().manual_seed(3))
+    full_mask = torch.zeros(1, 1, x.shape[1], x.shape[1], dtype=torch.bool)
+    full_mask[0, 0, at] = seen
+    for keys_seen, mask in ((None, None), (seen, full_mask)):
+        full = attn(x, position_ids=torch.arange(x.shape[1])[None], attention_mask=mask)[0][:, at]
+        want = torch.autograd.grad((full * weight).sum(), list(attn.parameters()))
+        got = torch.autograd.grad((attn.outputs_at(x, at, keys_seen) * weight).sum(), list(attn.parameters()))
+        for name, g, w in zip([n for n, _ in attn.named_parameters()], got, want):
+            scale = float(max(a.abs().max() for a in want))
+            torch.testing.assert_close(g, w, atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_closed_form_on_sampled_queries_minimises_their_ridge_objective(tiny_factory):
     """With closed-form query positions, the o_proj refit is the ridge optimum over those positions' tokens
     only, and the error it returns is output_error's at the same positions."""

@@ -197,12 +197,13 @@ class MLAAttention(nn.Module):
 
     def outputs_at(self, hidden_states: torch.Tensor, positions: torch.Tensor,
                    keys_seen: torch.Tensor | None = None) -> torch.Tensor:
-        """The expanded path's output [B, m, D] at the query positions `positions` [m] (sorted) of
-        whole sequences hidden_states [B, T, D] at positions 0..T-1, each query over its causal
-        window of every key: forward(hidden_states)[0][:, positions], with the attention and the
-        query and output projections computed for those m queries only (a training loss on a
-        sample of the queries costs about m / T of the full one's attention). keys_seen [m, T]
-        (True = attend), when given, replaces the causal window (each row needs a key)."""
+        """forward(hidden_states)[0][:, positions]: the output [B, m, D] at the query positions
+        `positions` [m] (sorted) of whole sequences hidden_states [B, T, D] at positions 0..T-1, each
+        query over its causal window of every key, with the attention and the query and output
+        projections computed for those m queries only (a training loss on a sample of the queries
+        costs about m / T of the full one's attention). keys_seen [m, T] (True = attend), when given,
+        replaces the causal window (each row needs a key). Differentiable, in the absorbed form
+        (_absorbed_at); o_proj reads [B, m, H*d_v] as in the forward."""
         c = self.config
         B, T, _ = hidden_states.shape
         latent, k_rope = self.compress(hidden_states)  # [B, T, d_c], [B, T, d_r]
@@ -213,8 +214,32 @@ class MLAAttention(nn.Module):
         mask = keys <= positions[:, None] if keys_seen is None else keys_seen  # [m, T]
         if c.window(self.layer_idx) and keys_seen is None:
             mask &= keys > positions[:, None] - c.window(self.layer_idx)
-        out = self._expanded(q_nope, q_rope, latent, k_rope, mask[None, None])  # [B, m, H, d_v]
+        out = self._absorbed_at(q_nope, q_rope, latent, k_rope, mask)  # [B, m, H, d_v]
         return self.o_proj(out.reshape(B, positions.shape[0], c.num_heads * c.v_head_dim))
+
+    def _absorbed_at(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
+        """The attention of m queries per sequence (q_nope [B, m, H, d_nope], rotated q_rope [B, m, H, d_r])
+        over every row (latent [B, T, d_c], rotated k_rope [B, T, d_r]) under mask [m, T] (True = attend):
+        [B, m, H, d_v], in plain differentiable products (a training loss). Absorbed: q_nope^T W_UK[h] c =
+        (W_UK[h]^T q_nope)^T c, so every head's queries score the same T rows [c | k_r] in one product
+        [B, m*H, W] x [B, W, T] and read back o_lat = softmax(.) c, then W_UV[h] o_lat: the same function as
+        _expanded (the K bias of kv_b_proj shifts a query's scores equally: softmax drops it), with no
+        [B, T, H, d_nope + d_v] expansion and matrix products in place of one small attention per head."""
+        c = self.config
+        B, m, H, _ = q_nope.shape
+        T = latent.shape[1]
+        w_uk, w_uv = self.up_weights()  # [H, d_nope, d_c], [H, d_v, d_c]
+        q_lat = torch.einsum("bmhn,hnc->bmhc", q_nope, w_uk)  # [B, m, H, d_c]
+        q_rows = torch.cat((q_lat, q_rope.to(q_lat.dtype)), dim=-1) * c.softmax_scale  # [B, m, H, W]
+        rows = torch.cat((latent, k_rope.to(latent.dtype)), dim=-1)  # [B, T, W]
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+        scores = torch.matmul(q_rows.reshape(B, m * H, -1), rows.transpose(1, 2))  # [B, m*H, T]
+        p = torch.softmax(scores.view(B, m, H, T) + bias[None, :, None, :], dim=-1)  # float32 [B, m, H, T]
+        o_lat = torch.matmul(p.view(B, m * H, T), latent)  # [B, m*H, d_c]
+        out = torch.einsum("bmhc,hvc->bmhv", o_lat.view(B, m, H, -1), w_uv)  # [B, m, H, d_v]
+        if self.kv_b_proj.bias is not None:  # V bias passes through (weights sum to one)
+            out = out + self.kv_b_proj.bias.view(H, -1)[:, c.qk_nope_head_dim :]
+        return out
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> q_nope [B, T, H, d_nope] and the rotated q_rope [B, T, H, d_r]."""
