@@ -66,6 +66,16 @@ another EPYC with AVX-512 BF16 whose startup probe measured bf16 2.2x faster (no
 z and far targets stored in bf16 when its passes run in bf16: the same fitted layers bit for bit, `make demo`'s 25%
 wiki-test 33.63 as before): 20.9 min, 1137 MiB peak PSS. Its memory is not comparable with the Xeon's rows (two
 threads, RSS summed, the fit sequences in float32 then).
+`--layers N` (session of 2026-12-06) times a source's first N layers (the conversion stops at layer N and writes
+nothing) and "source forward" (the source layers' forward over the calibration and fit streams, hooked on each
+layer) is a stage of its own. The 1.5B at 25% (`--model qwen2.5-coder-1.5b --layers 3`, one thread of that slower
+EPYC): per layer Adam 59 s, closed forms 33 s, source forward 55 s, statistics 3.5 s (the 97K tokens of the two
+streams through the layer's MLP in bf16, about 166 GFLOP/s), and 1.9 min before layer 0 (tokenizing and building the
+streams); about 72 min for 28 layers, as its CLI conversion took (4,294 s). Adam's attention then moved to the
+absorbed form (MLAAttention._absorbed_at; kept by retrieval_ladder's cli-25-unitary+fit-absorbed rule): Adam 59 ->
+43 s per layer on the 1.5B (8.8 min for 3 layers against 9.4) and 720 -> 608 s for SmolLM2's whole 25% conversion
+(18.1 min against 19.8, the two run side by side, one core each; the labelled rows). `--label` tells apart rows of
+the same command on CPUs with the same name (the two EPYCs) or code of another day.
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
@@ -344,7 +354,8 @@ def report(rows: dict) -> str:
     for key, r in rows.items():
         m, f = r["machine"], r["machine"]["cpu_flags"]
         st = r["stages"]
-        lines.append(f"| {r['command']} | {m.get('cpu', m.get('machine'))} ({'yes' if f['amx'] else 'no'}, "
+        label = f" ({r['label']})" if r.get("label") else ""
+        lines.append(f"| {r['command']}{label} | {m.get('cpu', m.get('machine'))} ({'yes' if f['amx'] else 'no'}, "
                      f"{'yes' if f['avx512_bf16'] else 'no'}) | {m['threads']}, {m['load_before']:.1f} | "
                      f"{'bf16 (every pass)' if r.get('fit_bf16_passes') else 'bf16' if r['fit_bf16'] else 'fp32'}, "
                      f"{r.get('fit_rates', 'constant')} rates | {r.get('layers_timed', 'all')} | {r['wall_seconds'] / 60:.1f} | "
@@ -384,6 +395,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--model", default=MODEL, help="the source to convert (default: the built-in SmolLM2-135M)")
+    parser.add_argument("--label", default="",
+                        help="what tells this run from another of the same command on the same CPU name (kept in its row)")
     parser.add_argument("--layers", type=int, default=0,
                         help="time the first N layers only (the conversion stops there and writes nothing)")
     parser.add_argument("--per-layer-rope", action="store_true", help="the native shape (default: the CLI's exportable one)")
@@ -412,6 +425,9 @@ def main(argv=None) -> int:
         key += "" if row["fit_rates"] == "constant" else f"|{row['fit_rates']} rates"
         key += "|bf16 passes" if row["fit_bf16_passes"] else ""
         key += f"|{args.layers} layers" if args.layers else ""
+        if args.label:
+            row["label"] = args.label
+            key += f"|{args.label}"
         if not row["variants"] and key in rows:  # a run without --variants keeps the earlier run's
             row["variants"] = rows[key]["variants"]
         rows[key] = row

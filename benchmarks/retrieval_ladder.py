@@ -872,7 +872,14 @@ that compresses runs its source streams, closed forms and far targets in bf16 wh
 17.3 min for the CLI with only Adam in bf16 and 2295 s for the fp32 conversion on the AVX2 EPYC. A conversion that
 does not compress keeps those passes in fp32: the errors that choose the layer kept carry bf16's rounding, and an
 exact layer (TransMLA with every component kept) was replaced by a least-squares o_proj fitted to that rounding
-(tests/test_transmla.py caught it)."""
+(tests/test_transmla.py caught it).
+cli-25-unitary+fit-absorbed (issue 36; session of 2026-12-06; its rule is above, written before it ran). On the slower
+AMD EPYC (bf16 probe 2.2x; one core, the other running benchmarks.fit_cost): keys 0.947 / 18 exact (0.967 / 17
+allowed), dev32 42.79 (43.22), dev recall 28% / 2.103 (nll 2.159 allowed; accuracy 28% against 30%, 2 of 60 items:
+the rule reads the nll); and benchmarks.fit_cost's CLI conversions side by side on that EPYC, one core each: 18.1 min
+against 19.8 (Adam 608 s against 720 s; the closed forms and the source forward unchanged). It passes every part:
+the fit's loss on sampled queries stays absorbed. The whole step gained less than the attention alone (16% of Adam,
+not 40%): the rest of a step (the projections, the casts, the softmax in float32) is now most of it."""
 
 
 def report(results: dict) -> str:
