@@ -59,6 +59,9 @@ conversion with the far term on the layers without a window (5, 11, 17) instead 
 with far_layers replaced, passed to LayerStream as benchmarks/retrieval_ladder passes its fit settings). It replaces the CLI's choice of far layers for sources with sliding windows only if, against the CLI's
 transmla-50 on the same dev material, its dev passkeys (1K / 2K, 3 keys at 10 / 50 / 90%, seed 1: never the test
 seed 0) find at least 4 more keys and its dev32 is at most 2% higher; then the test passkeys and --lossy windows.
+`--screen 50-192+64+fit-far-global` converts it (global_layers: the layers without a sliding window) and measures
+its dev32 (`--screen 50-192+64+fit`: the CLI's transmla-50 that --lossy saved, on the same dev32); the dev passkeys
+are `transmla eval FOLDER --task passkey --lengths 1K,2K --depths 10,50,90 --keys 3 --seed 1` for both.
 
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
@@ -102,13 +105,14 @@ SCREENS = {  # name -> (kv_lora_rank, rope_dim, fit steps: None = the CLI's, 0 =
     #          the plan's changes, the options' changes)
     "25-96+32": (96, 32, 0, {}, {}), "25-64+64": (64, 64, 0, {}, {}),
     "50-192+64": (192, 64, 0, {}, {}), "50-128+128": (128, 128, 0, {}, {}),
-    "25-96+32+fit": (96, 32, "transmla-25", {}, {}),
+    "25-96+32+fit": (96, 32, "transmla-25", {}, {}), "50-192+64+fit": (192, 64, "transmla-50", {}, {}),
     "25-96+32-attention": (96, 32, 0, {"pca_metric": "attention"}, {}),
     "25-96+32-output": (96, 32, 0, {"pca_metric": "output"}, {}),
     "25-rope32-full": (480, 32, 0, {}, {}),
     "25-96+32+fit-corrected": (96, 32, None, {}, {"propagate": "corrected"}),
     "50-192+64+fit-corrected": (192, 64, None, {}, {"propagate": "corrected"}),
-}  # issue 37: at most this times the source's perplexity on every text
+    "50-192+64+fit-far-global": (192, 64, None, {}, {}, {"far_layers": "global"}),
+}  # a sixth entry: the CLI's fit settings changed ("global": the layers without a sliding window)  # issue 37: at most this times the source's perplexity on every text
 
 
 def _load(path):
@@ -213,8 +217,16 @@ def dev32(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
     return {**{name: r.perplexity for name, r in res.items()}, "ppl": float(torch.tensor(pooled).exp())}
 
 
-def _convert_with_plan(source_dir, out, options: ConvertOptions, plan_kw: dict) -> None:
-    """convert() with the method's plan changed by plan_kw (options the CLI does not expose)."""
+def global_layers(config) -> tuple[int, ...]:
+    """The layers that read the whole context (no sliding window): Gemma 3 270M's 5, 11 and 17."""
+    from transmla.families.base import source_window
+
+    return tuple(i for i in range(config.num_hidden_layers) if source_window(config, i) is None)
+
+
+def _convert_with_plan(source_dir, out, options: ConvertOptions, plan_kw: dict, fit_kw: dict | None = None) -> None:
+    """convert() with the method's plan changed by plan_kw and the CLI's fit settings by fit_kw (options the CLI
+    does not expose; fit_kw far_layers "global": global_layers)."""
     from dataclasses import replace
 
     from transmla.convert.pipeline import LayerStream, write_mla_checkpoint
@@ -223,6 +235,10 @@ def _convert_with_plan(source_dir, out, options: ConvertOptions, plan_kw: dict) 
     config = load_config(source_dir)
     stream = LayerStream(get_method(options.method), source_dir, config, options, progress=True)
     stream.plan = replace(stream.plan, **plan_kw)
+    if fit_kw:
+        fit_kw = {k: global_layers(config) if v == "global" else v for k, v in fit_kw.items()}
+        stream.fit = replace(stream.fit, **fit_kw)
+        stream.calibration["fit"] |= {k: list(v) if isinstance(v, tuple) else v for k, v in fit_kw.items()}
     write_mla_checkpoint(source_dir, config, out, stream, stream.record, force=True)
 
 
@@ -240,7 +256,8 @@ def screen(names: list[str]) -> None:
     for name in names:
         if name in cache.results:
             continue
-        R, r, fit, plan_kw, options_kw = SCREENS[name]
+        R, r, fit, plan_kw, options_kw, *fit_kw = SCREENS[name]
+        fit_kw = fit_kw[0] if fit_kw else {}
         env, seconds = machine(), None
         if isinstance(fit, str):  # a conversion saved by --lossy
             out = cache_root() / "bench-gemma3" / fit
@@ -248,12 +265,12 @@ def screen(names: list[str]) -> None:
             out = cache_root() / "bench-gemma3" / f"screen-{name}"
             start = time.perf_counter()
             options = ConvertOptions.of(method="transmla", kv_lora_rank=R, rope_dim=r, fit_steps=fit, force=True, **options_kw)
-            if plan_kw:
-                _convert_with_plan(source_dir, out, options, plan_kw)
+            if plan_kw or fit_kw:
+                _convert_with_plan(source_dir, out, options, plan_kw, fit_kw)
             else:
                 convert(str(source_dir), out, options, progress=True)
             seconds = round(time.perf_counter() - start, 1)
-        cache.results[name] = {"kv_lora_rank": R, "rope_dim": r, "fit": fit, "plan": plan_kw | options_kw, "convert_seconds": seconds,
+        cache.results[name] = {"kv_lora_rank": R, "rope_dim": r, "fit": fit, "plan": plan_kw | options_kw | fit_kw, "convert_seconds": seconds,
                                "dev32": dev32(_load(out), windows), "machine": env,
                                "load_after": round(__import__("os").getloadavg()[0], 2)}
         cache.save()

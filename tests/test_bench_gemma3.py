@@ -1,0 +1,29 @@
+"""benchmarks.gemma3's screen with the CLI's fit settings changed: the far term on the layers without a sliding
+window (issue 37's next run), on a tiny random Gemma 3."""
+
+import json
+
+from transformers import AutoConfig
+
+from benchmarks.gemma3 import _convert_with_plan, global_layers
+from transmla.convert.options import ConvertOptions
+
+from conftest import make_tiny_model, save_word_tokenizer
+
+KINDS = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def test_far_term_on_the_global_layers(tmp_path):
+    src = tmp_path / "src"
+    make_tiny_model("gemma3_text", src, num_hidden_layers=6, layer_types=KINDS, sliding_window=8)
+    save_word_tokenizer(src)
+    config = AutoConfig.from_pretrained(src)
+    assert global_layers(config) == (2, 5)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(6000)))
+    options = ConvertOptions.of(method="transmla", kv_budget=0.5, calib=str(text), calib_samples=8, calib_seq_len=16,
+                                fit_steps=2, force=True)
+    out = tmp_path / "out"
+    _convert_with_plan(src, out, options, {}, {"far_layers": "global"})
+    fit = json.loads((out / "config.json").read_text())["mla"]["method"]["calibration"]["fit"]
+    assert fit["far"] == 256 and fit["far_layers"] == [2, 5]  # the CLI's far term, moved to the global layers
