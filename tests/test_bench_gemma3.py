@@ -13,7 +13,18 @@ from conftest import make_tiny_model, save_word_tokenizer
 KINDS = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 
-def test_far_term_on_the_global_layers(tmp_path):
+def test_far_term_on_the_global_layers(tmp_path, monkeypatch):
+    import transmla.convert.pipeline as pipeline
+
+    fitted_far = []  # the layers whose fit ran with the far term
+    fit_layer = pipeline.fit_layer
+
+    def spy(config, layer, x, z, settings, index=0, *args, **kwargs):
+        if settings.far and index in settings.far_layers:
+            fitted_far.append(index)
+        return fit_layer(config, layer, x, z, settings, index, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "fit_layer", spy)
     src = tmp_path / "src"
     make_tiny_model("gemma3_text", src, num_hidden_layers=6, layer_types=KINDS, sliding_window=8)
     save_word_tokenizer(src)
@@ -27,3 +38,4 @@ def test_far_term_on_the_global_layers(tmp_path):
     _convert_with_plan(src, out, options, {}, {"far_layers": "global"})
     fit = json.loads((out / "config.json").read_text())["mla"]["method"]["calibration"]["fit"]
     assert fit["far"] == 256 and fit["far_layers"] == [2, 5]  # the CLI's far term, moved to the global layers
+    assert fitted_far == [2, 5]  # and the fits ran so (the CLI's own would be layers 3 and 4)
