@@ -235,7 +235,7 @@ class MLAAttention(nn.Module):
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
         scores = torch.matmul(q_rows.reshape(B, m * H, -1), rows.transpose(1, 2))  # [B, m*H, T]
         p = torch.softmax(scores.view(B, m, H, T) + bias[None, :, None, :], dim=-1)  # float32 [B, m, H, T]
-        o_lat = torch.matmul(p.view(B, m * H, T), latent)  # [B, m*H, d_c]
+        o_lat = torch.matmul(p.view(B, m * H, T).to(latent.dtype), latent)  # [B, m*H, d_c] (bf16 under autocast, as it casts)
         out = torch.einsum("bmhc,hvc->bmhv", o_lat.view(B, m, H, -1), w_uv)  # [B, m, H, d_v]
         if self.kv_b_proj.bias is not None:  # V bias passes through (weights sum to one)
             out = out + self.kv_b_proj.bias.view(H, -1)[:, c.qk_nope_head_dim :]
