@@ -879,7 +879,16 @@ allowed), dev32 42.79 (43.22), dev recall 28% / 2.103 (nll 2.159 allowed; accura
 the rule reads the nll); and benchmarks.fit_cost's CLI conversions side by side on that EPYC, one core each: 18.1 min
 against 19.8 (Adam 608 s against 720 s; the closed forms and the source forward unchanged). It passes every part:
 the fit's loss on sampled queries stays absorbed. The whole step gained less than the attention alone (16% of Adam,
-not 40%): the rest of a step (the projections, the casts, the softmax in float32) is now most of it."""
+not 40%): the rest of a step (the projections, the casts, the softmax in float32) is now most of it.
+Seen after (not a choice: test windows): the 1.5B's 25% CLI conversion with it, on both cores (benchmarks.fit_cost,
+37.1 min), scores 2-4% worse on its test windows than the one-thread conversion with the expanded form (wiki / lee /
+code 33.40 / 41.58 / 9.10 against 31.98 / 40.63 / 8.94; qwen2_1p5b, epyc-absorbed-2threads): two threads and the
+form not separated. One likely cause, measured on random weights at the 1.5B's shapes: under bf16 autocast the
+absorbed scores leave their product rounded to bf16 (SDPA's flash kernel keeps them in float32), so with larger
+scores its output error is larger (relative 0.026 against 0.019 at weights of std 0.1; equal, 0.0048, at 0.02).
+Written next, before measuring (session of 2026-12-06): cli-25-unitary+fit-absorbed-f32, the scores' product in
+float32 (inputs cast up, outside autocast), judged against cli-25-unitary+fit-bf16 by this variant's rule; if it
+passes it replaces the bf16 scores, and the 1.5B's 25% conversion is rerun on one thread beside the expanded row."""
 
 
 def report(results: dict) -> str:
