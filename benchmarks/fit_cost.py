@@ -72,7 +72,7 @@ layer) is a stage of its own. The 1.5B at 25% (`--model qwen2.5-coder-1.5b --lay
 EPYC): per layer Adam 59 s, closed forms 33 s, source forward 55 s, statistics 3.5 s (the 97K tokens of the two
 streams through the layer's MLP in bf16, about 166 GFLOP/s), and 1.9 min before layer 0 (tokenizing and building the
 streams); about 72 min for 28 layers, as its CLI conversion took (4,294 s). Adam's attention then moved to the
-absorbed form (MLAAttention._absorbed_at; kept by retrieval_ladder's cli-25-unitary+fit-absorbed rule): Adam 59 ->
+absorbed form (mla.attention.attend_rows_differentiable; kept by retrieval_ladder's cli-25-unitary+fit-absorbed rule): Adam 59 ->
 43 s per layer on the 1.5B (8.8 min for 3 layers against 9.4) and 720 -> 608 s for SmolLM2's whole 25% conversion
 (18.1 min against 19.8, the two run side by side, one core each; the labelled rows). `--label` tells apart rows of
 the same command on CPUs with the same name (the two EPYCs) or code of another day.
@@ -180,13 +180,13 @@ class StageClock:
 
         undo.append((calibrate, "_load_decoder_layer", load_layer))
         calibrate._load_decoder_layer = load_timed
-        fit_settings = pipeline.fit_layer
+        fit_layer_untimed = pipeline.fit_layer
 
         def fit_recorded(config, layer, x, z, settings, *args, **kwargs):
             self.fit = settings
-            return fit_settings(config, layer, x, z, settings, *args, **kwargs)
+            return fit_layer_untimed(config, layer, x, z, settings, *args, **kwargs)
 
-        undo.append((pipeline, "fit_layer", fit_settings))
+        undo.append((pipeline, "fit_layer", fit_layer_untimed))
         pipeline.fit_layer = fit_recorded
         if variants:
             fit_layer = pipeline.fit_layer

@@ -241,7 +241,7 @@ cli-25-unitary+fit-absorbed (issue 36; session of 2026-12-06, written before mea
 (first 3 layers, one thread of this slower AMD EPYC): per layer Adam 59 s, closed forms 33 s, the source forward 55 s;
 in one Adam step at its shapes (2 sequences, 256 sampled queries, 1024 keys) SDPA's flash kernel, forward and
 backward, is two thirds of the step. The loss on sampled queries (MLAAttention.outputs_at) now attends in the absorbed
-form (_absorbed_at: every head's queries against the one latent row per key in two matrix products; the same
+form (attend_rows_differentiable: every head's queries against the one latent row per key in two matrix products; the same
 function and gradients in fp32, tests/test_mla_attention.py), 1.7x faster per step at the 1.5B's and SmolLM2's 25%
 shapes in bf16 (a timing of the attention's forward and backward alone). Other rounding in bf16, so the fitted layers
 differ: it stays only at the quality of cli-25-unitary+fit-bf16 (keys 0.934 / 18, dev32 42.79, dev recall 30% /
@@ -443,7 +443,7 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-25-unitary+fit-absorbed": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                                      "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {"rotation": "unitary"},
                                     "cli-25-unitary+fit-bf16 (the CLI's 25% where bf16 pays) with Adam's loss on the "
-                                    "sampled queries attending in the absorbed form (MLAAttention._absorbed_at)"),
+                                    "sampled queries attending in the absorbed form (mla.attention.attend_rows_differentiable)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),

@@ -170,7 +170,7 @@ def test_expanded_values_padded_to_key_width_change_nothing(monkeypatch, masked)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("q_lora,kv_norm", [(None, False), (7, True)])
 def test_outputs_at_equals_the_expanded_forward_with_gradients(bias, q_lora, kv_norm):
-    """outputs_at (the fit's loss on sampled queries, absorbed: _absorbed_at) equals the expanded forward at
+    """outputs_at (the fit's loss on sampled queries, absorbed: attend_rows_differentiable) equals the expanded forward at
     those positions, values and gradients of every parameter (kv_b_proj's V bias included), fp32."""
     config = random_mla_config(bias, q_lora, kv_norm)
     config.decode = "expanded"

@@ -228,7 +228,7 @@ def test_outputs_at_sampled_queries_equal_the_full_forward(tiny_factory, family,
 
 @pytest.mark.parametrize("family,bias,window", [("llama", True, None), ("mistral", False, 6), ("qwen3", False, None)])
 def test_outputs_at_gradients_equal_the_full_forward(tiny_factory, family, bias, window):
-    """outputs_at computes its attention in the absorbed form (MLAAttention._absorbed_at): the fit's Adam
+    """outputs_at computes its attention in the absorbed form (mla.attention.attend_rows_differentiable): the fit's Adam
     steps see the expanded forward's gradients, biases, sliding window and QK-norm pre-maps included, and
     under a far mask too (keys_seen); fp32, 1e-5 of the largest gradient."""
     kw = {"sliding_window": window} if window else {}

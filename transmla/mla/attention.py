@@ -71,6 +71,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float,
+                               mask: torch.Tensor, fold_max_queries: int = 0) -> torch.Tensor:
+    """attend_rows' result in plain differentiable products (a training loss; fold_max_queries unused): q_rows
+    [B, m, H, W] = [q_lat | q_rope] against rows [B, T, W] = [c | k_r] under mask [B|1, 1, m, T] (True = attend;
+    each row needs a key) -> o_lat [B, m, H, d_c]. Every head's queries score the same T rows in one product
+    [B, m*H, W] x [B, W, T] (q_nope^T W_UK[h] c = (W_UK[h]^T q_nope)^T c), instead of one small attention per head
+    over keys expanded to [B, T, H, d_nope + d_v]."""
+    B, m, H, _ = q_rows.shape
+    T = rows.shape[1]
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    scores = torch.matmul((q_rows * softmax_scale).reshape(B, m * H, -1), rows.transpose(1, 2))  # [B, m*H, T]
+    p = torch.softmax(scores.view(B, m, H, T) + bias.transpose(1, 2), dim=-1)  # float32 [B, m, H, T]
+    o_lat = torch.matmul(p.view(B, m * H, T).to(rows.dtype), rows[..., :d_c])  # [B, m*H, d_c] (bf16 under autocast, as it casts)
+    return o_lat.view(B, m, H, d_c)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, config: MLAConfig, layer_idx: int) -> None:
         super().__init__()
@@ -203,7 +219,7 @@ class MLAAttention(nn.Module):
         projections computed for those m queries only (a training loss on a sample of the queries
         costs about m / T of the full one's attention). keys_seen [m, T] (True = attend), when given,
         replaces the causal window (each row needs a key). Differentiable, in the absorbed form
-        (_absorbed_at); o_proj reads [B, m, H*d_v] as in the forward."""
+        (attend_rows_differentiable); o_proj reads [B, m, H*d_v] as in the forward."""
         c = self.config
         B, T, _ = hidden_states.shape
         latent, k_rope = self.compress(hidden_states)  # [B, T, d_c], [B, T, d_r]
@@ -214,32 +230,9 @@ class MLAAttention(nn.Module):
         mask = keys <= positions[:, None] if keys_seen is None else keys_seen  # [m, T]
         if c.window(self.layer_idx) and keys_seen is None:
             mask &= keys > positions[:, None] - c.window(self.layer_idx)
-        out = self._absorbed_at(q_nope, q_rope, latent, k_rope, mask)  # [B, m, H, d_v]
+        rows = torch.cat((latent, k_rope), dim=-1)  # [B, T, d_c + d_r]
+        out = self._absorbed(q_nope, q_rope, rows, mask[None, None], attend=attend_rows_differentiable)  # [B, m, H, d_v]
         return self.o_proj(out.reshape(B, positions.shape[0], c.num_heads * c.v_head_dim))
-
-    def _absorbed_at(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
-        """The attention of m queries per sequence (q_nope [B, m, H, d_nope], rotated q_rope [B, m, H, d_r])
-        over every row (latent [B, T, d_c], rotated k_rope [B, T, d_r]) under mask [m, T] (True = attend):
-        [B, m, H, d_v], in plain differentiable products (a training loss). Absorbed: q_nope^T W_UK[h] c =
-        (W_UK[h]^T q_nope)^T c, so every head's queries score the same T rows [c | k_r] in one product
-        [B, m*H, W] x [B, W, T] and read back o_lat = softmax(.) c, then W_UV[h] o_lat: the same function as
-        _expanded (the K bias of kv_b_proj shifts a query's scores equally: softmax drops it), with no
-        [B, T, H, d_nope + d_v] expansion and matrix products in place of one small attention per head."""
-        c = self.config
-        B, m, H, _ = q_nope.shape
-        T = latent.shape[1]
-        w_uk, w_uv = self.up_weights()  # [H, d_nope, d_c], [H, d_v, d_c]
-        q_lat = torch.einsum("bmhn,hnc->bmhc", q_nope, w_uk)  # [B, m, H, d_c]
-        q_rows = torch.cat((q_lat, q_rope.to(q_lat.dtype)), dim=-1) * c.softmax_scale  # [B, m, H, W]
-        rows = torch.cat((latent, k_rope.to(latent.dtype)), dim=-1)  # [B, T, W]
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-        scores = torch.matmul(q_rows.reshape(B, m * H, -1), rows.transpose(1, 2))  # [B, m*H, T]
-        p = torch.softmax(scores.view(B, m, H, T) + bias[None, :, None, :], dim=-1)  # float32 [B, m, H, T]
-        o_lat = torch.matmul(p.view(B, m * H, T).to(latent.dtype), latent)  # [B, m*H, d_c] (bf16 under autocast, as it casts)
-        out = torch.einsum("bmhc,hvc->bmhv", o_lat.view(B, m, H, -1), w_uv)  # [B, m, H, d_v]
-        if self.kv_b_proj.bias is not None:  # V bias passes through (weights sum to one)
-            out = out + self.kv_b_proj.bias.view(H, -1)[:, c.qk_nope_head_dim :]
-        return out
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> q_nope [B, T, H, d_nope] and the rotated q_rope [B, T, H, d_r]."""
@@ -303,15 +296,17 @@ class MLAAttention(nn.Module):
         )  # [B, H, T, d_v] ([B, H, T, d_qk] padded)
         return out.transpose(1, 2)[..., :d_v]  # [B, T, H, d_v]
 
-    def _absorbed(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, rows, mask, attend=attend_rows) -> torch.Tensor:
+        """q_nope [B, T, H, d_nope] and rotated q_rope [B, T, H, d_r] over rows [B, S, d_c + d_r] -> [B, T, H, d_v]:
+        W_UK folded into the queries, `attend` (a kernel backend, or attend_rows_differentiable for a loss), W_UV."""
         c = self.config
         w_uk, w_uv = self.up_weights()
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # [B, T, H, d_c]
         # The K bias of kv_b_proj adds q_nope . b_k[h] to every score of a query: softmax drops it.
         # MQA with one KV head [c | k_r] in the kernel backend that takes the call (kernels/backends.py)
         q_rows = torch.cat((q_lat, q_rope), dim=-1)  # [B, T, H, d_c + d_r]
-        o_lat = attend_rows(q_rows, rows, c.kv_lora_rank, c.softmax_scale, mask,
-                            fold_max_queries=c.absorb_max_query_tokens)  # [B, T, H, d_c]
+        o_lat = attend(q_rows, rows, c.kv_lora_rank, c.softmax_scale, mask,
+                       fold_max_queries=c.absorb_max_query_tokens)  # [B, T, H, d_c]
         out = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)  # [B, T, H, d_v]
         if self.kv_b_proj.bias is not None:  # V bias passes through (weights sum to one)
             b_v = self.kv_b_proj.bias.view(c.num_heads, -1)[:, c.qk_nope_head_dim :]
