@@ -187,3 +187,27 @@ def test_outputs_at_equals_the_expanded_forward_with_gradients(bias, q_lora, kv_
     got = torch.autograd.grad((sampled * weight).sum(), params)
     for (name, _), g, w in zip(attn.named_parameters(), got, want):
         torch.testing.assert_close(g, w, atol=1e-5 * float(w.abs().max().clamp_min(1)), rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_absorbed_loss_scores_in_float32_under_bf16_autocast():
+    """Under bf16 autocast the fit's absorbed attention (attend_rows_differentiable) takes its scores' product in
+    float32 (as SDPA's flash kernel does): from the same bf16 inputs it gives what float32 scores give, a softmax in
+    float32 and the read-back in bf16, where bf16-rounded scores move the result at large scores."""
+    from transmla.mla.attention import attend_rows_differentiable
+
+    torch.manual_seed(0)
+    B, m, H, T, d_c, W = 2, 5, 3, 40, 12, 16
+    q_rows = (4 * torch.randn(B, m, H, W)).bfloat16()  # large scores: bf16's 8 bits lose their softmax
+    rows = (4 * torch.randn(B, T, W)).bfloat16()
+    mask = torch.ones(1, 1, m, T, dtype=torch.bool).tril(T - m)
+    scale = 0.3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attend_rows_differentiable(q_rows, rows, d_c, scale, mask)
+    scores = (q_rows.float() * scale).reshape(B, m * H, W) @ rows.float().transpose(1, 2)  # [B, m*H, T]
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    p = torch.softmax(scores.view(B, m, H, T) + bias.transpose(1, 2), dim=-1)
+    want = (p.view(B, m * H, T).bfloat16() @ rows[..., :d_c]).view(B, m, H, d_c)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0.01)
+    rounded = torch.softmax(scores.bfloat16().float().view(B, m, H, T) + bias.transpose(1, 2), dim=-1)
+    other = (rounded.view(B, m * H, T).bfloat16() @ rows[..., :d_c]).view(B, m, H, d_c)
+    assert float((other.float() - want.float()).abs().max()) > 0.05  # the check can tell the two apart
