@@ -248,6 +248,20 @@ differ: it stays only at the quality of cli-25-unitary+fit-bf16 (keys 0.934 / 18
 2.108): dev32 43.22 or lower (+1%), key NLL 0.967 or lower with 17 or more exact, dev recall nll 2.159 or lower,
 and the CLI's 25% conversion (benchmarks.fit_cost, both forms side by side on this EPYC, one core each) shorter;
 otherwise outputs_at goes back to the expanded form.
+
+cli-25-unitary+fit-seq32 (issue 36; session of 2026-12-06 afternoon, written before measuring). Seen on writing it: the
+absorbed variants above ran with the CLI's fit settings written out (fit_settings), which left the closed forms and the
+source streams in float32 (only cli-25-unitary+fit-bf16 turned bf16_passes on, by its name), so they were not quite the
+CLI's conversion. cli-25-unitary+fit-cli is the CLI's 25% exactly (its fit settings derived by the CLI's own
+default_fit_settings: Adam absorbed with float32 scores, every pass in bf16 where bf16 pays), measured as a row.
+fit_cost on the 1.5B (both threads) put the closed forms at 525 s and the source forward at 804 s of 37.1 min; both run
+over every fit token (64 sequences of 1024; the source forward also over the statistics' 2048 x 16), while Adam's 200
+steps read 2 sequences each. cli-25-unitary+fit-seq32 is the CLI's 25% with 32 fit sequences of 1024 instead of 64:
+the closed forms' sums and the fit stream's source forward halve, Adam is unchanged. It replaces the 25% fit's 64
+sequences (the 50% keeps 64 until a run of its own) if keys NLL <= 0.967 with >= 17 exact, dev32 <= 43.22 and dev
+recall nll <= 2.159 (the earlier 25% rules' thresholds) and its conversion is shorter than cli-25-unitary+fit-cli's,
+both run one after the other on the same core in one invocation; then the 1.5B's 2-thread conversion is timed with it
+against the 30-minute goal.
 """
 
 from __future__ import annotations
@@ -448,6 +462,12 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                          "fit_settings": dict(REL_FIT, steps=200, queries=256)}, {"rotation": "unitary"},
                                         "cli-25-unitary+fit-absorbed with the absorbed scores' product in float32 (inputs "
                                         "cast up, outside autocast), as SDPA's flash kernel keeps them"),
+    "cli-25-unitary+fit-cli": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2}, {"rotation": "unitary"},
+                               "the CLI's 25% exactly: its fit settings derived as the CLI derives them (Adam absorbed with "
+                               "float32 scores; the closed forms and source streams in bf16 where bf16 pays)"),
+    "cli-25-unitary+fit-seq32": ({"kv_budget": 0.25, "fit_shape": (32, 1024), "fit_repeat": 2}, {"rotation": "unitary"},
+                                 "cli-25-unitary+fit-cli with 32 fit sequences of 1024 tokens instead of 64 (the closed "
+                                 "forms' sums and the fit stream's source forward halve; Adam's steps unchanged)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
