@@ -262,6 +262,15 @@ sequences (the 50% keeps 64 until a run of its own) if keys NLL <= 0.967 with >=
 recall nll <= 2.159 (the earlier 25% rules' thresholds) and its conversion is shorter than cli-25-unitary+fit-cli's,
 both run one after the other on the same core in one invocation; then the 1.5B's 2-thread conversion is timed with it
 against the 30-minute goal.
+
+cli-25-unitary+fit-seq128 (issue 36; session of 2026-12-06 afternoon, written before measuring, after seq32 failed
+by overfitting its 32 sequences: see the findings). The CLI's 25% with 128 fit sequences of 1024 (twice the closed
+forms' sums and the fit stream's source forward; Adam's steps unchanged, each sequence seen about once instead of
+about 6 times). Rule: it is the candidate for the 1.5B's 25% quality (a larger model, more weights per layer fitted
+from the same sequences) if on SmolLM2's dev material it is no worse than cli-25-unitary+fit-cli: keys NLL <= 0.945
+with >= 18 exact, dev32 <= 42.79 + 0.5% (43.00), dev recall nll <= 2.159; then the 1.5B's 25% is converted with 128
+sequences and judged on its own dev windows (never its test windows) before any default changes. If it is worse,
+64 stays and the 1.5B's gap is looked for elsewhere.
 """
 
 from __future__ import annotations
@@ -468,6 +477,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-25-unitary+fit-seq32": ({"kv_budget": 0.25, "fit_shape": (32, 1024), "fit_repeat": 2}, {"rotation": "unitary"},
                                  "cli-25-unitary+fit-cli with 32 fit sequences of 1024 tokens instead of 64 (the closed "
                                  "forms' sums and the fit stream's source forward halve; Adam's steps unchanged)"),
+    "cli-25-unitary+fit-seq128": ({"kv_budget": 0.25, "fit_shape": (128, 1024), "fit_repeat": 2}, {"rotation": "unitary"},
+                                  "cli-25-unitary+fit-cli with 128 fit sequences of 1024 tokens instead of 64 (the closed "
+                                  "forms' sums and the fit stream's source forward double; Adam's steps unchanged)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
