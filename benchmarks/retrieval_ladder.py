@@ -940,7 +940,20 @@ fit sequences: 818 s (28% shorter), but keys 1.111 / 16 and dev32 44.64 (+4.3%),
 on the keys and on dev32, so the fit keeps 64 sequences. Its mean output error on its own fit tokens was lower (0.126
 against 0.137) while every held-out measure was worse: with 32 sequences the fit overfits them. That points the other
 way for the 1.5B (more weights per layer than SmolLM2 from the same 64 sequences): more fit sequences are a
-candidate for its quality, not fewer for its time."""
+candidate for its quality, not fewer for its time. (The dev windows are not in the fit's sequences: the wiki half of
+dev32 is the end of the calibration part, and one fit chunk overlaps it by 50 of its 8,192 tokens, the same chunk at
+32, 64 and 128 sequences.)
+Seen after (not a choice: test windows): the 1.5B's 25% CLI conversion with float32 scores on one thread of that
+EPYC (qwen2_1p5b, epyc-absorbed-f32-1thread; 67.0 min, fit output error 0.382 -> 0.167 as in both earlier rows) scored
+wiki / lee / code / licences 30.64 / 39.21 / 8.89 / 32.84, below the one-thread expanded row (31.98 / 40.63 / 8.94 /
+33.43) and the two-thread bf16-scores row (33.40 / 41.58 / 9.10).
+cli-25-unitary+fit-seq128 (issue 36; session of 2026-12-06 afternoon; its rule is above, written before it ran). On one
+core of that EPYC, the other converting and evaluating the 1.5B: keys 0.892 / 20 exact (the CLI's 0.945 / 18), dev32
+42.94 (42.79; 43.00 allowed; wiki half 39.86 against 39.48, lee half 46.27 against 46.38), dev recall 28% / 2.053
+(2.109): it passes, so it is the candidate for the 1.5B's 25%; 1582 s against 1141 (+39%). Across 32 / 64 / 128
+sequences the keys go 1.111 / 0.945 / 0.892 and the recall nll 2.150 / 2.109 / 2.053: the fit reads back far better
+with more sequences, dev32 flat from 64 on. Next (not run): the 1.5B's 25% with 128 fit sequences, judged on its own
+dev windows (to be written: qwen2_1p5b has test windows only) before any default changes."""
 
 
 def report(results: dict) -> str:
