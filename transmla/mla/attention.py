@@ -83,9 +83,10 @@ def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: in
     bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     # The scores' product in float32 even under bf16 autocast (as SDPA's flash kernel keeps them): rounded to bf16
     # its error grows with the scores, and the fit's loss reads them.
+    wide = torch.promote_types(q_rows.dtype, torch.float32)  # float32, or float64 inputs kept as they are
     with torch.autocast(q_rows.device.type, enabled=False):
-        q = (q_rows.float() * softmax_scale).reshape(B, m * H, -1)  # [B, m*H, W]
-        scores = torch.matmul(q, rows.float().transpose(1, 2))  # float32 [B, m*H, T]
+        q = (q_rows.to(wide) * softmax_scale).reshape(B, m * H, -1)  # [B, m*H, W]
+        scores = torch.matmul(q, rows.to(wide).transpose(1, 2))  # float32 [B, m*H, T]
     p = torch.softmax(scores.view(B, m, H, T) + bias.transpose(1, 2), dim=-1)  # float32 [B, m, H, T]
     o_lat = torch.matmul(p.view(B, m * H, T).to(rows.dtype), rows[..., :d_c])  # [B, m*H, d_c] (bf16 under autocast, as it casts)
     return o_lat.view(B, m, H, d_c)
