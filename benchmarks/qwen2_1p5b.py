@@ -6,6 +6,7 @@
     .venv/bin/python -m benchmarks.qwen2_1p5b --bias-ablation 2       # the source with its biases zeroed
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-cli --tag epyc-bf16   # a row beside an earlier one
     .venv/bin/python -m benchmarks.qwen2_1p5b --runs transmla-0.25-cli --tag epyc-bf16 --note "the other core busy"   # kept with the row
+    .venv/bin/python -m benchmarks.qwen2_1p5b --runs source,transmla-0.25-cli,transmla-0.25-cli-fit128 --dev   # dev set
     .venv/bin/python -m benchmarks.qwen2_1p5b --report                # only the table
 
 A run is one model: `source` (the built-in, dequantized once from its Q4_K_M GGUF into fp32
@@ -13,7 +14,8 @@ safetensors), `lossless`, or `METHOD-B` (transmla / mha2mla at B = 0.5, 0.25, 0.
 cache; TransMLA runs pass `--per-layer-rope`, the native shape these rows were measured in; `METHOD-B-nofit`
 adds `--fit-steps 0`; `METHOD-B-shared` passes `--shared-rope` instead, the DeepSeek-exportable rope, and also evaluates its
 DeepSeek export without attention biases, as vLLM and SGLang would serve it; `METHOD-B-cli` passes no rope flag: the
-conversion exactly as the CLI's defaults of the day make it, exportable since they became so). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
+conversion exactly as the CLI's defaults of the day make it, exportable since they became so; `METHOD-B-cli-fitN` that
+conversion with `--fit-samples N`). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
 M [--kv-budget B]` with the CLI defaults (but the rope flag above), under `/usr/bin/time -v` (peak RSS, wall time), one
 process at a time, with the machine's load average before and after. Each converted model
 generates greedily through its latent cache (absorbed) and through the expanded path (the texts
@@ -29,6 +31,16 @@ fit's learning-rate backoff (output_fit.adam_fit) is kept under a key ending in 
 folders stay under $TRANSMLA_CACHE/bench-qwen2 (7 GB each in fp32; `--keep` keeps them, the
 default deletes each after its evaluation).
 
+--dev scores the runs on the 1.5B's dev set instead (dev_windows: the end of wiki's calibration part, the start of
+lee's, the end of code's; 16 windows each; never the test windows), keeping their folders. Rule for the fit's
+sequence count (issue 36; session of 2026-12-06 evening, written before measuring, both conversions one thread each of
+the same AMD EPYC side by side): `transmla-0.25-cli-fit128` (128 fit sequences of 1024 tokens) against
+`transmla-0.25-cli` (the CLI's 64). SmolLM2's 25% rule already passed at 128 (benchmarks/retrieval_ladder
+cli-25-unitary+fit-seq128: keys and recall better, dev32 flat) but costs 39% more time there, so 64 stayed. 128
+becomes the CLI's count for sources wider than SmolLM2 (hidden size above 1024; SmolLM2 keeps 64) only if the 1.5B's
+pooled dev perplexity at 128 is at least 2% below 64's and no dev text is more than 0.5% worse; otherwise the CLI
+keeps 64 and `--fit-samples` stays an option. Either way its test windows are then measured (the default path).
+
 Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped, and a stopped run keeps the texts it
 measured) and .md.
 """
@@ -41,6 +53,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from transmla.checkpoint.resolve import cache_root
 
@@ -65,10 +79,13 @@ def convert(run: str) -> tuple[Path, dict | None]:
         return resolve_model_dir(MODEL), None
     method, _, budget = run.partition("-")
     budget, _, shape = budget.partition("-")
+    shape, _, fit = shape.partition("-fit")  # "cli-fit128": the CLI's conversion with 128 fit sequences
     out = WORK / run
     args = [str(TRANSMLA), "convert", MODEL, str(out), "--method", method, "--force"]
     if budget:
         args += ["--kv-budget", budget]
+    if fit:
+        args += ["--fit-samples", fit]
     if method == "transmla" and shape != "cli":  # the rows' native shape is per-layer rope; "-shared" the exportable one
         args += ["--shared-rope" if shape == "shared" else "--per-layer-rope"]
     if shape == "nofit":  # today's calibration without the output-aware fit
@@ -103,6 +120,73 @@ def evaluate_texts(folder: Path, label: str, windows: int, entry: dict, after_ea
         if after_each is not None:
             after_each(entry)
     return entry
+
+
+DEV_WINDOWS = 16  # per text of the dev set
+DEV_CODE_CHARS = 400_000  # the tail of code's calibration part that is tokenized for its dev windows
+
+
+def dev_windows(folder: Path) -> dict[str, torch.Tensor]:
+    """The 1.5B's dev set, never its test windows (the evaluation parts): text -> ids [DEV_WINDOWS * SEQ], under the
+    tokenizer of `folder`. wiki: the last 16 windows of its calibration part, lee: the first 16 of its calibration
+    part (SmolLM2's dev32, benchmarks/smollm2.py), code: the last 16 windows of the last DEV_CODE_CHARS characters of
+    its calibration part (stdlib modules a..m). The CLI's calibration samples those parts (wiki=3,lee=1,code=2), so a
+    few of its sequences may fall inside them: dev_overlap counts them."""
+    from transformers import AutoTokenizer
+
+    from transmla.data.calib import tokenize_text
+    from transmla.data.texts import load_text
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    n = DEV_WINDOWS * SEQ
+    return {"wiki": tokenize_text(tok, load_text("wiki", "calib"))[-n:],
+            "lee": tokenize_text(tok, load_text("lee", "calib"))[:n],
+            "code": tokenize_text(tok, load_text("code", "calib")[-DEV_CODE_CHARS:])[-n:]}
+
+
+def dev_overlap(windows: dict[str, torch.Tensor], fit_samples: int | None = None) -> dict:
+    """How many of the CLI's calibration sequences (2048 x 16) and output-fit sequences (64 or `fit_samples` x 1024)
+    start inside the dev windows (found by their first 16 tokens)."""
+    from transmla.checkpoint.resolve import resolve_model_dir
+    from transmla.convert.options import DEFAULT_CALIB
+    from transmla.convert.pipeline import calibration_ids, fit_sequences
+
+    src = resolve_model_dir(MODEL)
+    dev = ",".join(",".join(map(str, ids.tolist())) for ids in windows.values())
+    count = lambda rows: sum(",".join(map(str, row[:16].tolist())) in dev for row in rows)  # noqa: E731
+    calib = calibration_ids(src, DEFAULT_CALIB, 2048, 16, 0)
+    fit = fit_sequences(src, DEFAULT_CALIB, 1, samples=fit_samples)
+    return {"calibration": [count(calib), len(calib)], "fit": [count(fit), len(fit)]}
+
+
+def evaluate_dev(folder: Path) -> dict:
+    """Perplexity of the model in `folder` on the dev set (dev_windows), each text and pooled, in this process (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    import transmla  # noqa: F401  (registers the MLA models)
+
+    from .smollm2 import dev32_ppl
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    return dev32_ppl(model, dev_windows(folder)) | {"eval_s": round(time.perf_counter() - start, 1)}
+
+
+def run_dev(results: ResultCache, run: str, tag: str | None = None, note: str | None = None) -> None:
+    """Convert (kept) and score one run on the dev set, under its own key (run@dev[@tag])."""
+    key = f"{run}@dev" + (f"@{tag}" if tag else "")
+    if key in results.results:
+        return
+    folder, cost = convert(run)
+    log(f"scoring {run} on the dev set")
+    entry = {"run": run, "dev": evaluate_dev(folder), "conversion": cost, "machine": machine(),
+             **({"tag": tag} if tag else {}), **({"note": note} if note else {})}
+    if cost is not None:  # a conversion: which of its calibration and fit sequences start inside the dev windows
+        fit = run.partition("-fit")[2]
+        entry["dev_overlap"] = dev_overlap(dev_windows(folder), int(fit) if fit else None)
+    log(f"{run} dev: {entry['dev']}")
+    results.results[key] = entry
+    results.save()
 
 
 def decode_paths_agree(folder: Path) -> dict:
@@ -240,8 +324,29 @@ def row_name(entry: dict) -> str:
     return f"{entry['run']} ({entry['tag']})" if entry.get("tag") else entry["run"]
 
 
+def dev_report(results: dict) -> list[str]:
+    """The dev-set table (run_dev's entries), with each conversion's pooled dev perplexity over the source's."""
+    rows = sorted((e for e in results.values() if "dev" in e), key=lambda e: (e["run"] != "source", e["run"]))
+    if not rows:
+        return []
+    src = next((e["dev"] for e in rows if e["run"] == "source"), None)
+    lines = ["", f"Dev set (the choices' windows, never the test windows above; benchmarks/qwen2_1p5b.dev_windows): "
+             f"{DEV_WINDOWS} windows of {SEQ} tokens each from the end of wiki's calibration part, the start of lee's and "
+             "the end of code's (stdlib a..m), fp32, in-process. Overlap: the CLI's calibration / fit sequences that start "
+             "inside the dev windows, of all.", "",
+             "| run | wiki | lee | code | pooled | x source | overlap (calibration, fit) | peak RSS GiB | wall s | eval s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in rows:
+        d, c, o = e["dev"], e.get("conversion") or {}, e.get("dev_overlap")
+        ratio = f"{d['ppl'] / src['ppl']:.3f}x" if src else ""
+        overlap = f"{o['calibration'][0]}/{o['calibration'][1]}, {o['fit'][0]}/{o['fit'][1]}" if o else ""
+        lines.append(f"| {row_name(e)} | {d['wiki']:.2f} | {d['lee']:.2f} | {d['code']:.3f} | {d['ppl']:.3f} | {ratio} | "
+                     f"{overlap} | {c.get('peak_rss_gib', '')} | {c.get('wall_s', '')} | {d['eval_s']} |")
+    return lines
+
+
 def report(results: dict) -> str:
-    rows = sorted((e for e in results.values() if "run" in e), key=lambda e: (e["run"] != "source", e["run"] != "lossless", e["run"]))
+    rows = sorted((e for e in results.values() if "run" in e and "dev" not in e), key=lambda e: (e["run"] != "source", e["run"] != "lossless", e["run"]))
     source = {e["windows"]: e for e in rows if e["run"] == "source"}
     lines = [f"# {MODEL} (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M dequantized to fp32): conversions on this CPU", "",
              "Made by `python -m benchmarks.qwen2_1p5b` (protocol in its docstring). Perplexity: 512-token windows of "
@@ -295,13 +400,15 @@ def report(results: dict) -> str:
                             ("qkv_dropped", "query, key and value biases zeroed")):
             lines.append(f"| {label} | {k[name]['wiki']:.2f} | {k[name]['lee']:.2f} |")
     cpus: dict[str, list[str]] = {}  # the CPU each row ran on
-    for e in rows:
+    everything = rows + [e for e in results.values() if "dev" in e]
+    for e in everything:
         m = e.get("machine", {})
-        name = row_name(e)
+        name = row_name(e) + (" on dev" if "dev" in e else "")
         threads = f" on {m['threads']} thread{'s' * (m['threads'] != 1)}" if m.get("threads") else ""
         cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(name + threads)
+    lines += dev_report(results)
     lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items()) + ".",
-              "", run_notes({row_name(e): e for e in rows}), ""]
+              "", run_notes({row_name(e) + (" on dev" if "dev" in e else ""): e for e in everything}), ""]
     return "\n".join(lines)
 
 
@@ -314,6 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="only rewrite the Markdown table")
     ap.add_argument("--tag", help="key the runs' rows apart from earlier rows of the same runs (e.g. the CPU)")
     ap.add_argument("--note", help="what the recorded CPU and load do not say (what else ran, threads), kept with the runs' rows")
+    ap.add_argument("--dev", action="store_true",
+                    help="score the runs on the dev set instead of the test windows (conversions kept)")
     ap.add_argument("--bias-ablation", type=int, metavar="W",
                     help="score the source with its attention biases zeroed on W windows per text (and nothing else)")
     args = ap.parse_args(argv)
@@ -322,7 +431,10 @@ def main(argv=None) -> int:
         results.cached(f"bias_ablation@{args.bias_ablation}", lambda: bias_ablation(args.bias_ablation) | {"machine": machine()})
     elif not args.report:
         for run in args.runs.split(","):
-            run_one(results, run.strip(), args.windows, args.keep, args.tag, args.note)
+            if args.dev:
+                run_dev(results, run.strip(), args.tag, args.note)
+            else:
+                run_one(results, run.strip(), args.windows, args.keep, args.tag, args.note)
     OUT_MD.write_text(report(results.results))
     print(OUT_MD.read_text())
     return 0

@@ -56,6 +56,11 @@ class CalibrationOptions:
         "Default: the method's own (200 for transmla, 0 for mha2mla); 0 turns it off.",
     )
 
+    fit_samples: int | None = option(
+        None, "Sequences of the output-aware fit (default: 64 of 1024 tokens; fewer when the calibration text is "
+        "short). More sequences fit each layer on more text, at about proportional time.",
+    )
+
     fit_jobs: int = option(
         1, "Layers whose output-aware fit runs at once, each in a worker process with one thread, while this process "
         "streams the next layers (with 'original' propagation the layers' fits are independent; the fitted tensors are "
@@ -71,7 +76,7 @@ class CalibrationOptions:
             raise ValueError(f"fit_jobs must be at least 1, got {self.fit_jobs}")
         if self.propagate is not None and self.propagate not in PROPAGATIONS:
             raise ValueError(f"propagate must be one of {', '.join(PROPAGATIONS)}, got {self.propagate!r}")
-        for name in ("calib_samples", "calib_seq_len"):
+        for name in ("calib_samples", "calib_seq_len", "fit_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")

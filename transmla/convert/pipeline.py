@@ -67,15 +67,18 @@ def calibration_ids(source_dir: Path, text: str, samples: int, seq_len: int, see
 REPEATED_SPANS = 2
 
 
-def fit_sequences(source_dir: Path, text: str, seed: int, spans: int = REPEATED_SPANS) -> torch.Tensor:
-    """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text`, or what a short
+def fit_sequences(source_dir: Path, text: str, seed: int, spans: int = REPEATED_SPANS,
+                  samples: int | None = None) -> torch.Tensor:
+    """The output-aware fit's sequences [N', T']: DEFAULT_FIT_CALIBRATION of `text` (`samples` sequences
+    instead of its count when given), or what a short
     text has: the count halved until they fit (down to one per text of a mix), then the length, down
     to 16 tokens; the first error when even that does not fit. In each, `spans` spans are repeated
     later (data.calib.with_repeated_span: the fit sees the source read back far, as retrieval does;
     how many: REPEATED_SPANS)."""
     from ..data.calib import calibration_mix, with_repeated_span
 
-    samples, seq_len = DEFAULT_FIT_CALIBRATION
+    default_samples, seq_len = DEFAULT_FIT_CALIBRATION
+    samples = samples or default_samples
     fewest = len(calibration_mix(text))
     first_error = None
     while True:
@@ -133,7 +136,7 @@ class LayerStream:
             spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
                 spans = REPEATED_SPANS
-                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans)
+                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans, cal.fit_samples)
             if fit is None:
                 fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
                                            method.cache_elements(self.plan), self.geometry.kv_elements_per_token_per_layer,
