@@ -370,6 +370,31 @@ def test_fit_sequences_repeat_two_spans():
     assert torch.equal(fit_sequences(src, "wiki", 7, spans=1), with_repeated_span(plain, 7))
 
 
+def test_fit_samples_sets_the_fit_sequence_count(tmp_path, cli):
+    """--fit-samples N: the fit runs on N sequences of the calibration text (the default's 64 halve until they fit
+    a short text); a count below 1 is refused in one line, with nothing written."""
+    from conftest import make_tiny_model, save_word_tokenizer
+
+    src = tmp_path / "src"
+    make_tiny_model("llama", src, num_hidden_layers=1)
+    save_word_tokenizer(src)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(20000)))
+    config = AutoConfig.from_pretrained(src)
+
+    def fit_ids(**kw):
+        options = ConvertOptions.of(method="transmla", kv_budget=0.5, calib=str(text), calib_samples=8, calib_seq_len=16,
+                                    device="cpu", **kw)
+        return LayerStream(get_method("transmla"), src, config, options, progress=False).fit_ids
+
+    default, three = fit_ids(), fit_ids(fit_samples=3)
+    assert default.shape == (16, 1024)  # 64 halved to what 20,000 tokens hold
+    assert three.shape == (3, 1024)
+    code, _, err = cli("convert", src, tmp_path / "out", "--method", "transmla", "--calib", text, "--fit-samples", "0")  # refused before any work
+    assert code != 0 and "--fit-samples must be positive, got 0" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 def test_far_mask_sees_only_keys_far_back():
     """Query i sees keys 1 .. i - far (the sink, key 0, never), within a window when there is one; a row
     without such a key sees itself only."""
