@@ -31,14 +31,16 @@ fit's learning-rate backoff (output_fit.adam_fit) is kept under a key ending in 
 folders stay under $TRANSMLA_CACHE/bench-qwen2 (7 GB each in fp32; `--keep` keeps them, the
 default deletes each after its evaluation).
 
---dev scores the runs on the 1.5B's dev set instead (dev_windows: the end of wiki's calibration part, the start of
-lee's, the end of code's; 16 windows each; never the test windows), keeping their folders. Rule for the fit's
+--dev scores the runs on the 1.5B's dev set instead (dev_windows: 16 windows each from the end of wiki's and code's
+calibration parts, none holding text the conversions calibrate or fit on; never the test windows; lee's calibration
+part is all touched by the CLI's calibration, so lee has no dev windows), keeping their folders. Rule for the fit's
 sequence count (issue 36; session of 2026-12-06 evening, written before measuring, both conversions one thread each of
 the same AMD EPYC side by side): `transmla-0.25-cli-fit128` (128 fit sequences of 1024 tokens) against
 `transmla-0.25-cli` (the CLI's 64). SmolLM2's 25% rule already passed at 128 (benchmarks/retrieval_ladder
 cli-25-unitary+fit-seq128: keys and recall better, dev32 flat) but costs 39% more time there, so 64 stayed. 128
 becomes the CLI's count for sources wider than SmolLM2 (hidden size above 1024; SmolLM2 keeps 64) only if the 1.5B's
-pooled dev perplexity at 128 is at least 2% below 64's and no dev text is more than 0.5% worse; otherwise the CLI
+pooled dev perplexity (wiki and code; lee has no dev windows, found before measuring) at 128 is at least 2% below
+64's and neither dev text is more than 0.5% worse; otherwise the CLI
 keeps 64 and `--fit-samples` stays an option. Either way its test windows are then measured (the default path).
 
 Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped, and a stopped run keeps the texts it
@@ -123,40 +125,50 @@ def evaluate_texts(folder: Path, label: str, windows: int, entry: dict, after_ea
 
 
 DEV_WINDOWS = 16  # per text of the dev set
-DEV_CODE_CHARS = 400_000  # the tail of code's calibration part that is tokenized for its dev windows
+DEV_TEXTS = ("wiki", "code")  # lee's calibration part is small: the CLI's chunks touch every window of it but one
+DEV_FIT_SAMPLES = 128  # the most fit sequences compared on it (a larger count's sequences include a smaller one's)
 
 
-def dev_windows(folder: Path) -> dict[str, torch.Tensor]:
-    """The 1.5B's dev set, never its test windows (the evaluation parts): text -> ids [DEV_WINDOWS * SEQ], under the
-    tokenizer of `folder`. wiki: the last 16 windows of its calibration part, lee: the first 16 of its calibration
-    part (SmolLM2's dev32, benchmarks/smollm2.py), code: the last 16 windows of the last DEV_CODE_CHARS characters of
-    its calibration part (stdlib modules a..m). The CLI's calibration samples those parts (wiki=3,lee=1,code=2), so a
-    few of its sequences may fall inside them: dev_overlap counts them."""
+def dev_windows() -> dict[str, torch.Tensor]:
+    """The 1.5B's dev set, never its test windows (the evaluation parts) and never text that the CLI's conversion
+    calibrates or fits on: text -> ids [DEV_WINDOWS * SEQ] for wiki and code (stdlib a..m). Per text, its calibration
+    part under the source's tokenizer, the statistics' chunks (2048 x 16, seed 0) and the fit's (DEV_FIT_SAMPLES x
+    1024, seed 1) of the CLI's mix marked as calibration_chunks picks them (data.calib.picked_chunks), and the last
+    DEV_WINDOWS 512-token windows that hold no marked token. Cached in WORK; its record says how many windows were
+    passed over. Lee has none to give (DEV_TEXTS)."""
+    path = WORK / "dev_windows.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)["windows"]
     from transformers import AutoTokenizer
 
-    from transmla.data.calib import tokenize_text
-    from transmla.data.texts import load_text
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    n = DEV_WINDOWS * SEQ
-    return {"wiki": tokenize_text(tok, load_text("wiki", "calib"))[-n:],
-            "lee": tokenize_text(tok, load_text("lee", "calib"))[:n],
-            "code": tokenize_text(tok, load_text("code", "calib")[-DEV_CODE_CHARS:])[-n:]}
-
-
-def dev_overlap(windows: dict[str, torch.Tensor], fit_samples: int | None = None) -> dict:
-    """How many of the CLI's calibration sequences (2048 x 16) and output-fit sequences (64 or `fit_samples` x 1024)
-    start inside the dev windows (found by their first 16 tokens)."""
     from transmla.checkpoint.resolve import resolve_model_dir
     from transmla.convert.options import DEFAULT_CALIB
-    from transmla.convert.pipeline import calibration_ids, fit_sequences
+    from transmla.data.calib import calibration_mix, picked_chunks, split_samples, tokenize_text
+    from transmla.data.texts import load_text
 
-    src = resolve_model_dir(MODEL)
-    dev = ",".join(",".join(map(str, ids.tolist())) for ids in windows.values())
-    count = lambda rows: sum(",".join(map(str, row[:16].tolist())) in dev for row in rows)  # noqa: E731
-    calib = calibration_ids(src, DEFAULT_CALIB, 2048, 16, 0)
-    fit = fit_sequences(src, DEFAULT_CALIB, 1, samples=fit_samples)
-    return {"calibration": [count(calib), len(calib)], "fit": [count(fit), len(fit)]}
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(MODEL))
+    mix = calibration_mix(DEFAULT_CALIB)
+    windows, passed = {}, {}
+    for i, (text, _) in enumerate(mix):
+        if text not in DEV_TEXTS:
+            continue
+        ids = tokenize_text(tok, load_text(text, "calib"))  # [N]
+        taken = torch.zeros(ids.numel(), dtype=torch.bool)  # [N]
+        for samples, seq_len, seed in ((2048, 16, 0), (DEV_FIT_SAMPLES, 1024, 1)):
+            count = split_samples(samples, [w for _, w in mix])[i]
+            for c in picked_chunks(ids.numel() // seq_len, count, seed).tolist():
+                taken[c * seq_len : (c + 1) * seq_len] = True
+        n = ids.numel() // SEQ
+        order = range(n - 1, -1, -1)
+        starts = [j * SEQ for j in order if not taken[j * SEQ : (j + 1) * SEQ].any()][:DEV_WINDOWS]
+        if len(starts) < DEV_WINDOWS:
+            raise SystemExit(f"{text}'s calibration part has {len(starts)} windows without calibration text, {DEV_WINDOWS} needed")
+        passed[text] = (order.index(starts[-1] // SEQ) + 1) - DEV_WINDOWS
+        windows[text] = torch.cat([ids[j : j + SEQ] for j in sorted(starts)])  # [DEV_WINDOWS * SEQ]
+    WORK.mkdir(parents=True, exist_ok=True)
+    torch.save({"windows": windows, "passed_over": passed}, path)
+    log(f"dev windows written to {path}; windows passed over for holding calibration or fit text: {passed}")
+    return windows
 
 
 def evaluate_dev(folder: Path) -> dict:
@@ -169,7 +181,7 @@ def evaluate_dev(folder: Path) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     start = time.perf_counter()
-    return dev32_ppl(model, dev_windows(folder)) | {"eval_s": round(time.perf_counter() - start, 1)}
+    return dev32_ppl(model, dev_windows()) | {"eval_s": round(time.perf_counter() - start, 1)}
 
 
 def run_dev(results: ResultCache, run: str, tag: str | None = None, note: str | None = None) -> None:
@@ -181,9 +193,6 @@ def run_dev(results: ResultCache, run: str, tag: str | None = None, note: str | 
     log(f"scoring {run} on the dev set")
     entry = {"run": run, "dev": evaluate_dev(folder), "conversion": cost, "machine": machine(),
              **({"tag": tag} if tag else {}), **({"note": note} if note else {})}
-    if cost is not None:  # a conversion: which of its calibration and fit sequences start inside the dev windows
-        fit = run.partition("-fit")[2]
-        entry["dev_overlap"] = dev_overlap(dev_windows(folder), int(fit) if fit else None)
     log(f"{run} dev: {entry['dev']}")
     results.results[key] = entry
     results.save()
@@ -330,18 +339,18 @@ def dev_report(results: dict) -> list[str]:
     if not rows:
         return []
     src = next((e["dev"] for e in rows if e["run"] == "source"), None)
+    passed = torch.load(WORK / "dev_windows.pt", weights_only=True)["passed_over"] if (WORK / "dev_windows.pt").is_file() else {}
     lines = ["", f"Dev set (the choices' windows, never the test windows above; benchmarks/qwen2_1p5b.dev_windows): "
-             f"{DEV_WINDOWS} windows of {SEQ} tokens each from the end of wiki's calibration part, the start of lee's and "
-             "the end of code's (stdlib a..m), fp32, in-process. Overlap: the CLI's calibration / fit sequences that start "
-             "inside the dev windows, of all.", "",
-             "| run | wiki | lee | code | pooled | x source | overlap (calibration, fit) | peak RSS GiB | wall s | eval s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{DEV_WINDOWS} windows of {SEQ} tokens each from the end of wiki's and code's (stdlib a..m) calibration "
+             f"parts (lee's has none free of calibration text), none holding a token of the CLI's calibration or fit sequences (up to "
+             f"{DEV_FIT_SAMPLES} of them; windows passed over: {passed or 'see the cache'}), fp32, in-process.", "",
+             "| run | wiki | code | pooled | x source | peak RSS GiB | wall s | eval s |",
+             "|---|---|---|---|---|---|---|---|"]
     for e in rows:
-        d, c, o = e["dev"], e.get("conversion") or {}, e.get("dev_overlap")
+        d, c = e["dev"], e.get("conversion") or {}
         ratio = f"{d['ppl'] / src['ppl']:.3f}x" if src else ""
-        overlap = f"{o['calibration'][0]}/{o['calibration'][1]}, {o['fit'][0]}/{o['fit'][1]}" if o else ""
-        lines.append(f"| {row_name(e)} | {d['wiki']:.2f} | {d['lee']:.2f} | {d['code']:.3f} | {d['ppl']:.3f} | {ratio} | "
-                     f"{overlap} | {c.get('peak_rss_gib', '')} | {c.get('wall_s', '')} | {d['eval_s']} |")
+        lines.append(f"| {row_name(e)} | {d['wiki']:.2f} | {d['code']:.3f} | {d['ppl']:.3f} | {ratio} | "
+                     f"{c.get('peak_rss_gib', '')} | {c.get('wall_s', '')} | {d['eval_s']} |")
     return lines
 
 

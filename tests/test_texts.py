@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from transmla.data.calib import calibration_chunks, calibration_mix, split_samples, with_repeated_span
+from transmla.data.calib import calibration_chunks, calibration_mix, picked_chunks, split_samples, with_repeated_span
 from transmla.data.texts import TextSourceError, builtin_text, load_text
 
 
@@ -120,6 +120,17 @@ def test_calibration_chunks(tmp_path):
         assert hits
         starts.append(hits[0])
     assert starts == sorted(set(starts))
+
+
+def test_picked_chunks_are_the_chunks_taken_and_grow_by_superset():
+    """picked_chunks names calibration_chunks' chunks (what benchmarks use to keep dev windows off calibration
+    text), and a larger count takes every chunk of a smaller one (the same seeded permutation)."""
+    tok = _CharTokenizer()
+    ids = torch.tensor(tok(load_text("lee", part="calib"))["input_ids"])
+    n_chunks = ids.numel() // 64
+    pick = picked_chunks(n_chunks, 8, seed=3)
+    assert torch.equal(calibration_chunks(tok, "lee", 8, 64, seed=3), ids[: n_chunks * 64].view(n_chunks, 64)[pick])
+    assert set(pick.tolist()) < set(picked_chunks(n_chunks, 16, seed=3).tolist())
 
 
 def test_calibration_chunks_too_few(tmp_path):

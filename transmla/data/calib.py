@@ -10,7 +10,7 @@ import torch
 
 from transmla.data.texts import load_text
 
-__all__ = ["tokenize_text", "calibration_chunks", "calibration_mix", "split_samples", "with_repeated_span"]
+__all__ = ["tokenize_text", "calibration_chunks", "calibration_mix", "picked_chunks", "split_samples", "with_repeated_span"]
 
 
 def tokenize_text(tokenizer, text: str) -> torch.Tensor:
@@ -86,9 +86,14 @@ def calibration_chunks(
             f"({ids.numel()} tokens), {n_samples} were asked for"
         )
     chunks = ids[: n_chunks * seq_len].view(n_chunks, seq_len)  # [n_chunks, seq_len]
+    return chunks[picked_chunks(n_chunks, n_samples, seed)].clone()  # [n_samples, seq_len]
+
+
+def picked_chunks(n_chunks: int, n_samples: int, seed: int) -> torch.Tensor:
+    """Which of a text's ``n_chunks`` chunks calibration_chunks takes: [n_samples] indices in text order. The
+    first ``n_samples`` of one seeded permutation, so a larger count takes a superset of a smaller one's."""
     g = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(n_chunks, generator=g)[:n_samples].sort().values  # [n_samples]
-    return chunks[pick].clone()  # [n_samples, seq_len]
+    return torch.randperm(n_chunks, generator=g)[:n_samples].sort().values  # [n_samples]
 
 
 def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = 32, longest: int = 128,
