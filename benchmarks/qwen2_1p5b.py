@@ -15,7 +15,7 @@ cache; TransMLA runs pass `--per-layer-rope`, the native shape these rows were m
 adds `--fit-steps 0`; `METHOD-B-shared` passes `--shared-rope` instead, the DeepSeek-exportable rope, and also evaluates its
 DeepSeek export without attention biases, as vLLM and SGLang would serve it; `METHOD-B-cli` passes no rope flag: the
 conversion exactly as the CLI's defaults of the day make it, exportable since they became so; `METHOD-B-cli-fitN` that
-conversion with `--fit-samples N`). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
+conversion with `--fit-samples N`, `METHOD-B-cli-corrected` with `--propagate corrected`). Each conversion runs as a user runs it: `transmla convert qwen2.5-coder-1.5b OUT --method
 M [--kv-budget B]` with the CLI defaults (but the rope flag above), under `/usr/bin/time -v` (peak RSS, wall time), one
 process at a time, with the machine's load average before and after. Each converted model
 generates greedily through its latent cache (absorbed) and through the expanded path (the texts
@@ -42,6 +42,15 @@ becomes the CLI's count for sources wider than SmolLM2 (hidden size above 1024; 
 pooled dev perplexity (wiki and code; lee has no dev windows, found before measuring) at 128 is at least 2% below
 64's and neither dev text is more than 0.5% worse; otherwise the CLI
 keeps 64 and `--fit-samples` stays an option. Either way its test windows are then measured (the default path).
+
+`transmla-0.25-cli-corrected` (the same session, written before measuring it, after seeing only the two conversions'
+records): per layer the 1.5B's fit leaves an output error near SmolLM2's (mean relative error over its layers 0.382
+-> 0.167 against SmolLM2's 0.345 -> 0.137 in `make demo`'s 25%), yet its perplexity grows more (2.29x against
+1.86x the source), so the question is whether its layers' errors compound. `--propagate corrected` fits each layer
+from the converted model's own hidden states toward the source's attention output; Gemma 3 at 25% gained 18% dev32
+with it, SmolLM2's 25% rule rejected it (benchmarks/gemma3.py). A measurement, not a default by itself: if its pooled
+dev perplexity is at least 5% below the CLI's 64-sequence conversion's, propagation is where the 1.5B loses, and the
+next step is a rule for choosing it per source; if not, compounding is ruled out as the main cause at this budget.
 
 Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped, and a stopped run keeps the texts it
 measured) and .md.
@@ -81,13 +90,18 @@ def convert(run: str) -> tuple[Path, dict | None]:
         return resolve_model_dir(MODEL), None
     method, _, budget = run.partition("-")
     budget, _, shape = budget.partition("-")
-    shape, _, fit = shape.partition("-fit")  # "cli-fit128": the CLI's conversion with 128 fit sequences
+    shape, *changes = shape.split("-")  # "cli-fit128", "cli-corrected": the CLI's conversion with one change
     out = WORK / run
     args = [str(TRANSMLA), "convert", MODEL, str(out), "--method", method, "--force"]
     if budget:
         args += ["--kv-budget", budget]
-    if fit:
-        args += ["--fit-samples", fit]
+    for change in changes:
+        if change.startswith("fit"):
+            args += ["--fit-samples", change[3:]]
+        elif change == "corrected":
+            args += ["--propagate", "corrected"]
+        else:
+            raise SystemExit(f"unknown change {change!r} in run {run!r}: fitN or corrected")
     if method == "transmla" and shape != "cli":  # the rows' native shape is per-layer rope; "-shared" the exportable one
         args += ["--shared-rope" if shape == "shared" else "--per-layer-rope"]
     if shape == "nofit":  # today's calibration without the output-aware fit
