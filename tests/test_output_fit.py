@@ -370,9 +370,10 @@ def test_fit_sequences_repeat_two_spans():
     assert torch.equal(fit_sequences(src, "wiki", 7, spans=1), with_repeated_span(plain, 7))
 
 
-def test_fit_samples_sets_the_fit_sequence_count(tmp_path, cli):
-    """--fit-samples N: the fit runs on N sequences of the calibration text (the default's 64 halve until they fit
-    a short text); a count below 1 is refused in one line, with nothing written."""
+def test_fit_samples_sets_the_fit_sequence_count(tmp_path, cli, monkeypatch):
+    """--fit-samples N: the fit runs on N sequences of the calibration text (the default's 64, or 128 for a source
+    wider than 1024, halve until they fit a short text); a count below 1 is refused in one line, with nothing
+    written."""
     from conftest import make_tiny_model, save_word_tokenizer
 
     src = tmp_path / "src"
@@ -390,6 +391,18 @@ def test_fit_samples_sets_the_fit_sequence_count(tmp_path, cli):
     default, three = fit_ids(), fit_ids(fit_samples=3)
     assert default.shape == (16, 1024)  # 64 halved to what 20,000 tokens hold
     assert three.shape == (3, 1024)
+    # the default count by the source's width: 64, 128 above a hidden size of 1024 (as LayerStream asks for it)
+    assert [output_fit.default_fit_samples(d) for d in (576, 1024, 1025, 1536)] == [64, 64, 128, 128]
+    import transmla.convert.pipeline as pipeline
+
+    asked = []
+    real = pipeline.fit_sequences
+    monkeypatch.setattr(pipeline, "fit_sequences", lambda *a: asked.append(a[4]) or real(*a))
+    fit_ids()
+    monkeypatch.setattr(output_fit, "WIDE_FIT_HIDDEN", config.hidden_size - 1)
+    fit_ids()
+    fit_ids(fit_samples=3)
+    assert asked == [64, 128, 3]
     code, _, err = cli("convert", src, tmp_path / "out", "--method", "transmla", "--calib", text, "--fit-samples", "0")  # refused before any work
     assert code != 0 and "--fit-samples must be positive, got 0" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

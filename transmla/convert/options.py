@@ -57,8 +57,9 @@ class CalibrationOptions:
     )
 
     fit_samples: int | None = option(
-        None, "Sequences of the output-aware fit (default: 64 of 1024 tokens; fewer when the calibration text is "
-        "short). More sequences fit each layer on more text, at about proportional time.",
+        None, "Sequences of the output-aware fit, 1024 tokens each (default: 64, or 128 for a source whose hidden size "
+        "is above 1024; fewer when the calibration text is short). More sequences fit each layer on more text, at "
+        "about proportional time and memory.",
     )
 
     fit_jobs: int = option(

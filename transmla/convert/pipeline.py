@@ -32,7 +32,7 @@ from .calibrate import calibrated_layers
 from .layers import MLALayer, SourceAttention, source_layers
 from .method import ConversionMethod
 from .options import ConvertOptions
-from .output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, default_fit_settings, fit_layer
+from .output_fit import DEFAULT_FIT_CALIBRATION, FitSettings, default_fit_samples, default_fit_settings, fit_layer
 from .qk_norm import attach_pre_maps, linear_source
 
 
@@ -136,7 +136,8 @@ class LayerStream:
             spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
                 spans = REPEATED_SPANS
-                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans, cal.fit_samples)
+                samples = cal.fit_samples or default_fit_samples(self.geometry.hidden_size)
+                fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans, samples)
             if fit is None:
                 fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
                                            method.cache_elements(self.plan), self.geometry.kv_elements_per_token_per_layer,
