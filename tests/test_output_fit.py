@@ -383,26 +383,29 @@ def test_fit_samples_sets_the_fit_sequence_count(tmp_path, cli, monkeypatch):
     text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(20000)))
     config = AutoConfig.from_pretrained(src)
 
-    def fit_ids(**kw):
-        options = ConvertOptions.of(method="transmla", kv_budget=0.5, calib=str(text), calib_samples=8, calib_seq_len=16,
-                                    device="cpu", **kw)
+    def fit_ids(budget=0.5, **kw):
+        options = ConvertOptions.of(method="transmla", kv_budget=budget, calib=str(text), calib_samples=8,
+                                    calib_seq_len=16, device="cpu", **kw)
         return LayerStream(get_method("transmla"), src, config, options, progress=False).fit_ids
 
     default, three = fit_ids(), fit_ids(fit_samples=3)
     assert default.shape == (16, 1024)  # 64 halved to what 20,000 tokens hold
     assert three.shape == (3, 1024)
-    # the default count by the source's width: 64, 128 above a hidden size of 1024 (as LayerStream asks for it)
-    assert [output_fit.default_fit_samples(d) for d in (576, 1024, 1025, 1536)] == [64, 64, 128, 128]
+    # the default count by the source's width and the budget: 128 above a hidden size of 1024 at 25% or less, else 64
+    # (as LayerStream asks for it)
+    assert [output_fit.default_fit_samples(d, 128, 512) for d in (576, 1024, 1025, 1536)] == [64, 64, 128, 128]
+    assert [output_fit.default_fit_samples(1536, c, 512) for c in (64, 128, 129, 256, None)] == [128, 128, 64, 64, 64]
     import transmla.convert.pipeline as pipeline
 
     asked = []
     real = pipeline.fit_sequences
     monkeypatch.setattr(pipeline, "fit_sequences", lambda *a: asked.append(a[4]) or real(*a))
-    fit_ids()
+    fit_ids(budget=0.25)
     monkeypatch.setattr(output_fit, "WIDE_FIT_HIDDEN", config.hidden_size - 1)
-    fit_ids()
-    fit_ids(fit_samples=3)
-    assert asked == [64, 128, 3]
+    fit_ids(budget=0.25)
+    fit_ids(budget=0.5)
+    fit_ids(budget=0.25, fit_samples=3)
+    assert asked == [64, 128, 64, 3]
     code, _, err = cli("convert", src, tmp_path / "out", "--method", "transmla", "--calib", text, "--fit-samples", "0")  # refused before any work
     assert code != 0 and "--fit-samples must be positive, got 0" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -58,7 +58,7 @@ class CalibrationOptions:
 
     fit_samples: int | None = option(
         None, "Sequences of the output-aware fit, 1024 tokens each (default: 64, or 128 for a source whose hidden size "
-        "is above 1024; fewer when the calibration text is short). More sequences fit each layer on more text, at "
+        "is above 1024 converted to 25% of its cache or less; fewer when the calibration text is short). More sequences fit each layer on more text, at "
         "about proportional time and memory.",
     )
 

@@ -59,17 +59,21 @@ RELATIVE_FLOOR = 1e-2
 # rope-64+fit-1024), for a longer fit. 1024 x 64 had beaten 256 x 64 (benchmarks/results/output_fit.md).
 # The attention-sink token starts every sequence.
 DEFAULT_FIT_CALIBRATION = (64, 1024)
-# Sources wider than WIDE_FIT_HIDDEN fit on WIDE_FIT_SAMPLES sequences (issue 36): chosen by the rule written before
-# measuring (benchmarks/qwen2_1p5b.py, transmla-0.25-cli-fit128) on the 1.5B's own dev windows, whose layers have
-# 2.7x the built-in model's width; the built-in model's dev measures stayed flat at 128 for 1.4x the time
-# (benchmarks/results/retrieval_ladder.md, cli-25-unitary+fit-seq128), so it keeps 64.
+# Sources wider than WIDE_FIT_HIDDEN, converted to at most WIDE_FIT_MAX_BUDGET of their cache, fit on WIDE_FIT_SAMPLES
+# sequences (issue 36): chosen by the rule written before measuring (benchmarks/qwen2_1p5b.py,
+# transmla-0.25-cli-fit128) on the 1.5B's own dev windows at 25%, whose layers have 2.7x the built-in model's width;
+# the built-in model's dev measures stayed flat at 128 for 1.4x the time (benchmarks/results/retrieval_ladder.md,
+# cli-25-unitary+fit-seq128), so it keeps 64. Larger budgets keep 64 until a run of their own passes there.
 WIDE_FIT_HIDDEN = 1024
 WIDE_FIT_SAMPLES = 128
+WIDE_FIT_MAX_BUDGET = 0.25
 
 
-def default_fit_samples(hidden_size: int) -> int:
-    """The output fit's sequence count for a source of this hidden size (before a short text halves it)."""
-    return WIDE_FIT_SAMPLES if hidden_size > WIDE_FIT_HIDDEN else DEFAULT_FIT_CALIBRATION[0]
+def default_fit_samples(hidden_size: int, cache_elements: int | None, source_elements: int) -> int:
+    """The output fit's sequence count for a source of this hidden size whose cache per token and layer goes from
+    source_elements to cache_elements (None: unknown), before a short text halves it."""
+    quarter = cache_elements is not None and cache_elements <= budget_elements(WIDE_FIT_MAX_BUDGET, source_elements)
+    return WIDE_FIT_SAMPLES if hidden_size > WIDE_FIT_HIDDEN and quarter else DEFAULT_FIT_CALIBRATION[0]
 
 
 @dataclass(frozen=True)
@@ -409,6 +413,6 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
     return base.with_tensors({k: v.detach().clone() for k, v in attn.state_dict().items()})
 
 
-__all__ = ["DEFAULT_FIT_CALIBRATION", "WIDE_FIT_HIDDEN", "WIDE_FIT_SAMPLES", "default_fit_samples", "FAR_MIN_BUDGET", "RELATIVE_FIT", "RELATIVE_MAX_BUDGET", "FAR_TOKENS", "FAR_WEIGHT", "FitSettings", "default_fit_settings",
+__all__ = ["DEFAULT_FIT_CALIBRATION", "WIDE_FIT_HIDDEN", "WIDE_FIT_MAX_BUDGET", "WIDE_FIT_SAMPLES", "default_fit_samples", "FAR_MIN_BUDGET", "RELATIVE_FIT", "RELATIVE_MAX_BUDGET", "FAR_TOKENS", "FAR_WEIGHT", "FitSettings", "default_fit_settings",
            "far_layers_for", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
            "refit_o_proj", "refit_o_proj_errors"]

@@ -136,7 +136,8 @@ class LayerStream:
             spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
                 spans = REPEATED_SPANS
-                samples = cal.fit_samples or default_fit_samples(self.geometry.hidden_size)
+                samples = cal.fit_samples or default_fit_samples(self.geometry.hidden_size, method.cache_elements(self.plan),
+                                                                  self.geometry.kv_elements_per_token_per_layer)
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans, samples)
             if fit is None:
                 fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
