@@ -42,6 +42,10 @@ becomes the CLI's count for sources wider than SmolLM2 (hidden size above 1024; 
 pooled dev perplexity (wiki and code; lee has no dev windows, found before measuring) at 128 is at least 2% below
 64's and neither dev text is more than 0.5% worse; otherwise the CLI
 keeps 64 and `--fit-samples` stays an option. Either way its test windows are then measured (the default path).
+Measured (side by side from 16:13, one thread each): pooled dev 12.57 at 128 against 13.47 at 64 (-6.7%; wiki 27.89
+against 30.45, code 5.664 against 5.961): it passes, so 128 is the CLI's count for such sources, at 25% of the cache
+and below (the budget measured; 50% keeps 64 until a run of its own), for 1.50x the time (5747 against 3841 s) and
+3.27 against 2.43 GiB peak RSS.
 
 `transmla-0.25-cli-corrected` (the same session, written before measuring it, after seeing only the two conversions'
 records): per layer the 1.5B's fit leaves an output error near SmolLM2's (mean relative error over its layers 0.382
