@@ -53,8 +53,11 @@ records): per layer the 1.5B's fit leaves an output error near SmolLM2's (mean r
 1.86x the source), so the question is whether its layers' errors compound. `--propagate corrected` fits each layer
 from the converted model's own hidden states toward the source's attention output; Gemma 3 at 25% gained 18% dev32
 with it, SmolLM2's 25% rule rejected it (benchmarks/gemma3.py). A measurement, not a default by itself: if its pooled
-dev perplexity is at least 5% below the CLI's 64-sequence conversion's, propagation is where the 1.5B loses, and the
-next step is a rule for choosing it per source; if not, compounding is ruled out as the main cause at this budget.
+dev perplexity is at least 5% below the CLI's conversion's, propagation is where the 1.5B loses, and the next step is
+a rule for choosing it per source; if not, compounding is ruled out as the main cause at this budget. Started and
+stopped for time (session of 2026-12-06 evening), before any result; since then the CLI converts this model at 25%
+with 128 fit sequences, so the run converts with them and the CLI's conversion it is judged against is
+transmla-0.25-cli-fit128 (pooled dev 12.57), not the 64-sequence one.
 
 Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped, and a stopped run keeps the texts it
 measured) and .md.
