@@ -164,6 +164,8 @@ def dev_windows() -> dict[str, torch.Tensor]:
 
     from transmla.checkpoint.resolve import resolve_model_dir
     from transmla.convert.options import DEFAULT_CALIB
+    from transmla.convert.output_fit import DEFAULT_FIT_CALIBRATION
+    from transmla.convert.registry import get_method
     from transmla.data.calib import calibration_mix, picked_chunks, split_samples, tokenize_text
     from transmla.data.texts import load_text
 
@@ -175,17 +177,17 @@ def dev_windows() -> dict[str, torch.Tensor]:
             continue
         ids = tokenize_text(tok, load_text(text, "calib"))  # [N]
         taken = torch.zeros(ids.numel(), dtype=torch.bool)  # [N]
-        for samples, seq_len, seed in ((2048, 16, 0), (DEV_FIT_SAMPLES, 1024, 1)):
+        # the statistics' chunks (seed 0) and the fit's (seed + 1), as LayerStream draws them
+        for samples, seq_len, seed in ((*get_method("transmla").default_calibration, 0),
+                                       (DEV_FIT_SAMPLES, DEFAULT_FIT_CALIBRATION[1], 1)):
             count = split_samples(samples, [w for _, w in mix])[i]
             for c in picked_chunks(ids.numel() // seq_len, count, seed).tolist():
                 taken[c * seq_len : (c + 1) * seq_len] = True
-        n = ids.numel() // SEQ
-        order = range(n - 1, -1, -1)
-        starts = [j * SEQ for j in order if not taken[j * SEQ : (j + 1) * SEQ].any()][:DEV_WINDOWS]
-        if len(starts) < DEV_WINDOWS:
-            raise SystemExit(f"{text}'s calibration part has {len(starts)} windows without calibration text, {DEV_WINDOWS} needed")
-        passed[text] = (order.index(starts[-1] // SEQ) + 1) - DEV_WINDOWS
-        windows[text] = torch.cat([ids[j : j + SEQ] for j in sorted(starts)])  # [DEV_WINDOWS * SEQ]
+        free = [j for j in range(ids.numel() // SEQ - 1, -1, -1) if not taken[j * SEQ : (j + 1) * SEQ].any()][:DEV_WINDOWS]
+        if len(free) < DEV_WINDOWS:
+            raise SystemExit(f"{text}'s calibration part has {len(free)} windows without calibration text, {DEV_WINDOWS} needed")
+        passed[text] = ids.numel() // SEQ - free[-1] - DEV_WINDOWS  # windows from the end up to the last one taken
+        windows[text] = torch.cat([ids[j * SEQ : (j + 1) * SEQ] for j in sorted(free)])  # [DEV_WINDOWS * SEQ]
     WORK.mkdir(parents=True, exist_ok=True)
     torch.save({"windows": windows, "passed_over": passed}, path)
     log(f"dev windows written to {path}; windows passed over for holding calibration or fit text: {passed}")
@@ -350,8 +352,9 @@ def calibration_label(entry: dict) -> str:
 
 
 def row_name(entry: dict) -> str:
-    """A run's name in the reports: the run, and its tag if it has one."""
-    return f"{entry['run']} ({entry['tag']})" if entry.get("tag") else entry["run"]
+    """A run's name in the reports: the run, its tag if it has one, and "on dev" for a dev-set row."""
+    name = f"{entry['run']} ({entry['tag']})" if entry.get("tag") else entry["run"]
+    return name + (" on dev" if "dev" in entry else "")
 
 
 def dev_report(results: dict) -> list[str]:
@@ -370,7 +373,7 @@ def dev_report(results: dict) -> list[str]:
     for e in rows:
         d, c = e["dev"], e.get("conversion") or {}
         ratio = f"{d['ppl'] / src['ppl']:.3f}x" if src else ""
-        lines.append(f"| {row_name(e)} | {d['wiki']:.2f} | {d['code']:.3f} | {d['ppl']:.3f} | {ratio} | "
+        lines.append(f"| {row_name(e).removesuffix(' on dev')} | {d['wiki']:.2f} | {d['code']:.3f} | {d['ppl']:.3f} | {ratio} | "
                      f"{c.get('peak_rss_gib', '')} | {c.get('wall_s', '')} | {d['eval_s']} |")
     return lines
 
@@ -433,12 +436,12 @@ def report(results: dict) -> str:
     everything = rows + [e for e in results.values() if "dev" in e]
     for e in everything:
         m = e.get("machine", {})
-        name = row_name(e) + (" on dev" if "dev" in e else "")
+        name = row_name(e)
         threads = f" on {m['threads']} thread{'s' * (m['threads'] != 1)}" if m.get("threads") else ""
         cpus.setdefault(f"{m.get('machine')}, torch {m.get('torch')}, transformers {m.get('transformers')}", []).append(name + threads)
     lines += dev_report(results)
     lines += ["", "Machines: " + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items()) + ".",
-              "", run_notes({row_name(e) + (" on dev" if "dev" in e else ""): e for e in everything}), ""]
+              "", run_notes({row_name(e): e for e in everything}), ""]
     return "\n".join(lines)
 
 

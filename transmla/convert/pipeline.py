@@ -131,17 +131,18 @@ class LayerStream:
             self.calib_ids = calib_ids
         steps = cal.fit_steps if cal.fit_steps is not None else method.default_fit_steps
         if (fit is not None or steps) and self.needs.calibration:
+            cache_elements = method.cache_elements(self.plan)
             if fit_ids is None and self.calibration.get("text") is None:  # calib_ids were given: fit on them
                 fit_ids = self.calib_ids
             spans = 0  # fit_ids given: used as they are
             if fit_ids is None:  # other sequences of the calibration text than the statistics'
                 spans = REPEATED_SPANS
-                samples = cal.fit_samples or default_fit_samples(self.geometry.hidden_size, method.cache_elements(self.plan),
+                samples = cal.fit_samples or default_fit_samples(self.geometry.hidden_size, cache_elements,
                                                                   self.geometry.kv_elements_per_token_per_layer)
                 fit_ids = fit_sequences(self.source_dir, cal.calib, cal.seed + 1, spans, samples)
             if fit is None:
                 fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
-                                           method.cache_elements(self.plan), self.geometry.kv_elements_per_token_per_layer,
+                                           cache_elements, self.geometry.kv_elements_per_token_per_layer,
                                            self.geometry.num_layers, fit_ids.shape[1])
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": fit.steps, "lr": fit.lr, "closed_form": fit.closed_form,

@@ -86,8 +86,8 @@ def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: in
     wide = torch.promote_types(q_rows.dtype, torch.float32)  # float32, or float64 inputs kept as they are
     with torch.autocast(q_rows.device.type, enabled=False):
         q = (q_rows.to(wide) * softmax_scale).reshape(B, m * H, -1)  # [B, m*H, W]
-        scores = torch.matmul(q, rows.to(wide).transpose(1, 2))  # float32 [B, m*H, T]
-    p = torch.softmax(scores.view(B, m, H, T) + bias.transpose(1, 2), dim=-1)  # float32 [B, m, H, T]
+        scores = torch.matmul(q, rows.to(wide).transpose(1, 2))  # wide [B, m*H, T]
+    p = torch.softmax(scores.view(B, m, H, T) + bias.transpose(1, 2), dim=-1)  # wide [B, m, H, T]
     o_lat = torch.matmul(p.view(B, m * H, T).to(rows.dtype), rows[..., :d_c])  # [B, m*H, d_c] (bf16 under autocast, as it casts)
     return o_lat.view(B, m, H, d_c)
 
