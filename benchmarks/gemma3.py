@@ -63,6 +63,25 @@ seed 0) find at least 4 more keys and its dev32 is at most 2% higher; then the t
 its dev32 (`--screen 50-192+64+fit`: the CLI's transmla-50 that --lossy saved, on the same dev32); the dev passkeys
 are `transmla eval FOLDER --task passkey --lengths 1K,2K --depths 10,50,90 --keys 3 --seed 1` for both.
 
+--hybrid NAME (session of 2026-12-06 night; rule written before measuring anything of it): whether a conversion
+with per-layer shapes is worth building for sources with sliding windows. A sliding layer's cache is bounded by its
+window (512 rows here), so at length the cache is the global layers': at 32K tokens Gemma 3 270M's 15 sliding
+layers hold 7% of the source's cache, yet the CLI compresses all 18 alike and loses quality in all 18. A plan that
+keeps the sliding layers lossless (cache bounded) and compresses the 3 global layers only needs a format with
+per-layer shapes (lossless is rope 256 + latent 256, the CLI's 50% is 192 + 64): days of work, so first its quality
+is measured without it. With original propagation each layer's conversion is fitted on the source's own hidden
+states, independently of the other layers, so the source model with only its global layers' attention replaced
+by a conversion's (here the saved --screen NAME, far term on the global layers) is exactly what such a plan
+would write for those layers. Measured on the dev material only: dev32 and the passkey likelihood probe
+(transmla.eval.key_probe: teacher-forced exact keys and key NLL, the dev passkeys' prompts: 1K / 2K, depths 10 /
+50 / 90, 3 keys, seed 1), beside the source and the whole conversion NAME. Its cache, counted as rows a query
+can see (window rows on a sliding layer, every row on a global one), is reported at 2K, 8K and 32K tokens against
+the source's: with the globals at 50% it is above 50% of the source's at every length (53.6% at 32K), so a plan
+at 50% of the cache at 32K would keep a little less on the globals (about 46%) than measured here: optimistic by
+that much, said beside the result. Rule: per-layer shapes become the next step for #37 if the hybrid's dev32 is
+at most 1.15x the source's (the issue's 50% goal, on dev windows) and its exact keys are at least the source's
+minus 2; otherwise the loss is in the global layers and per-layer shapes alone cannot meet the goal.
+
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
 
@@ -101,6 +120,9 @@ LOSSY = {  # name -> (method, fraction of the source's cache, other options than
 GOALS = {0.5: 1.15, 0.25: 2.0}  # issue 37: at most this times the source's perplexity on every text
 SCREEN_JSON, SCREEN_MD = RESULTS / "gemma3_270m_screen.json", RESULTS / "gemma3_270m_screen.md"
 DEV_WINDOWS = 16  # per text (wiki, lee) in dev32
+HYBRID_JSON, HYBRID_MD = RESULTS / "gemma3_270m_hybrid.json", RESULTS / "gemma3_270m_hybrid.md"
+DEV_PASSKEY = {"lengths": "1K,2K", "depths": "10,50,90", "keys": 3, "seed": 1}  # the dev passkeys (never seed 0)
+DEV_PASSKEY_LENGTHS = (1024, 2048)
 SCREENS = {  # name -> (kv_lora_rank, rope_dim, fit steps: None = the CLI's, 0 = none, or the saved folder's name,
     #          the plan's changes, the options' changes)
     "25-96+32": (96, 32, 0, {}, {}), "25-64+64": (64, 64, 0, {}, {}),
@@ -278,6 +300,83 @@ def screen(names: list[str]) -> None:
     SCREEN_MD.write_text(screen_report(cache.results))
 
 
+def hybrid_cache(config, kept: int, source: int, tokens: int) -> float:
+    """The hybrid's cache over the source's at `tokens`, counted as the rows a query sees: a sliding layer (kept
+    lossless) its window's rows, a global layer every row at `kept` elements (the source's `source`)."""
+    from transmla.families.base import source_window
+
+    windows = [source_window(config, i) for i in range(config.num_hidden_layers)]
+    rows = [min(tokens, w) if w else tokens for w in windows]
+    mine = sum(r * (source if w else kept) for r, w in zip(rows, windows))
+    return mine / (sum(rows) * source)
+
+
+def hybrid_model(source_dir, converted_dir, layers):
+    """The source model (fp32) with the attention of `layers` taken from the converted model's."""
+    model, converted = _load(source_dir), _load(converted_dir)
+    for i in layers:  # [B, T, D] -> [B, T, D] in both: the decoder layer calls either alike
+        model.model.layers[i].self_attn = converted.model.layers[i].self_attn
+    return model
+
+
+def hybrid(name: str) -> None:
+    """The source with its global layers' attention taken from the --screen conversion `name` (rule in the
+    docstring): dev32 and the dev key probe beside the source's and the whole conversion's."""
+    from transformers import AutoTokenizer
+
+    from transmla.eval.key_probe import key_probe
+    from transmla.eval.passkey import PasskeySettings
+
+    from .common import ResultCache
+
+    cache = ResultCache(HYBRID_JSON)
+    source_dir = resolve_model_dir(MODEL)
+    config = load_config(source_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source_dir)
+    windows = dev32_windows(tokenizer)
+    settings = PasskeySettings(**DEV_PASSKEY)
+    out = cache_root() / "bench-gemma3" / f"screen-{name}"
+    if not (out / "config.json").exists():
+        raise SystemExit(f"no saved conversion {out}: run --screen {name} first")
+    layers = global_layers(config)
+
+    def measure(model) -> dict:
+        return {"dev32": dev32(model, windows), "probe": key_probe(model, tokenizer, settings, DEV_PASSKEY_LENGTHS),
+                "machine": machine()}
+
+    cache.cached("source", lambda: measure(_load(source_dir)))
+    cache.cached(f"whole:{name}", lambda: measure(_load(out)))
+
+    mla = json.loads((out / "config.json").read_text())["mla"]
+    kept = mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+    src = attention_geometry(config).kv_elements_per_token_per_layer
+    cache.cached(f"hybrid:{name}", lambda: measure(hybrid_model(source_dir, out, layers)) | {
+        "global_layers": list(layers), "kept": kept, "source_kept": src,
+        "cache_fraction": {str(t): round(hybrid_cache(config, kept, src, t), 4) for t in (2048, 8192, 32768)}})
+    cache.save()
+    HYBRID_MD.write_text(hybrid_report(cache.results))
+    log(f"hybrid {name}: {cache.results[f'hybrid:{name}']['dev32']}, exact {cache.results[f'hybrid:{name}']['probe']['exact']}")
+
+
+def hybrid_report(results: dict) -> str:
+    src = results["source"]
+    lines = ["# Gemma 3 270M: sliding layers kept, global layers converted (dev material)", "",
+             "Made by `python -m benchmarks.gemma3 --hybrid NAME` (rule in benchmarks/gemma3.py's docstring): the source "
+             "with only its global layers' attention taken from the saved conversion NAME, against the source and the "
+             "whole conversion. dev32 perplexity (fp32; 16 x 512-token windows from the end of wiki's calibration part, "
+             "the first 16 of lee's) and the passkey likelihood probe on the dev passkeys' prompts (1K / 2K, depths "
+             "10 / 50 / 90, 3 keys, seed 1): teacher-forced exact keys and the keys' mean NLL.", "",
+             "| model | dev32 | wiki | lee | exact keys | key NLL | cache vs source at 2K / 8K / 32K | CPU, load |",
+             "|---" * 8 + "|"]
+    for key, r in results.items():
+        d, p = r["dev32"], r["probe"]
+        frac = " / ".join(f"{100 * v:.1f}%" for v in r["cache_fraction"].values()) if "cache_fraction" in r else "-"
+        lines.append(f"| {key} | {d['ppl']:.2f} ({d['ppl'] / src['dev32']['ppl']:.2f}x) | {d['wiki']:.2f} | {d['lee']:.2f} | "
+                     f"{p['exact']} of {p['keys']} | {p['nll']:.3f} | {frac} | {r['machine']['machine']}, "
+                     f"{r['machine']['threads']} thread(s), load {r['machine']['load_average']} |")
+    return "\n".join(lines) + "\n"
+
+
 def screen_report(results: dict) -> str:
     src = results["source"]["dev32"]
     lines = ["# Gemma 3 270M: TransMLA shapes at the same cache (dev32)", "",
@@ -304,7 +403,13 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--lossy", default="", help=f"comma-separated conversions to measure, of {', '.join(LOSSY)}")
     parser.add_argument("--screen", default="", help=f"comma-separated shapes to screen on dev32, of {', '.join(SCREENS)}")
+    parser.add_argument("--hybrid", default="", help="a --screen conversion whose global layers go into the source")
     args = parser.parse_args()
+    if args.hybrid:
+        if args.hybrid not in SCREENS:
+            parser.error(f"unknown shape {args.hybrid}; choose from {', '.join(SCREENS)}")
+        hybrid(args.hybrid)
+        return
     if args.screen:
         names = [n for n in args.screen.split(",") if n]
         unknown = [n for n in names if n not in SCREENS]
