@@ -58,6 +58,10 @@ a rule for choosing it per source; if not, compounding is ruled out as the main 
 stopped for time (session of 2026-12-06 evening), before any result; since then the CLI converts this model at 25%
 with 128 fit sequences, so the run converts with them and the CLI's conversion it is judged against is
 transmla-0.25-cli-fit128 (pooled dev 12.57), not the 64-sequence one.
+Measured (2026-12-06 night, one thread pinned, a Gemma 3 conversion on the other core): pooled dev 16.46 (wiki
+33.56, code 8.076) against 12.57 (27.89, 5.664): 31% worse, not better, in 7937 s (132 min) and 4.03 GiB peak. So
+compounding is ruled out as the main cause at 25%: fitting each layer on the converted model's own inputs costs
+the 1.5B more than it undoes (as on SmolLM2; Gemma 3's 25% gained from it).
 
 Writes benchmarks/results/qwen2_1p5b.json (resumable: finished runs are skipped, and a stopped run keeps the texts it
 measured) and .md.
