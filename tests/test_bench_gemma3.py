@@ -5,7 +5,8 @@ import json
 
 from transformers import AutoConfig
 
-from benchmarks.gemma3 import _convert_with_plan, global_layers
+from benchmarks.gemma3 import _convert_with_plan
+from transmla.families import unwindowed_layers
 from transmla.convert.options import ConvertOptions
 
 from conftest import make_tiny_model, save_word_tokenizer
@@ -29,7 +30,7 @@ def test_far_term_on_the_global_layers(tmp_path, monkeypatch):
     make_tiny_model("gemma3_text", src, num_hidden_layers=6, layer_types=KINDS, sliding_window=8)
     save_word_tokenizer(src)
     config = AutoConfig.from_pretrained(src)
-    assert global_layers(config) == (2, 5)
+    assert unwindowed_layers(config) == (2, 5)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(6000)))
     options = ConvertOptions.of(method="transmla", kv_budget=0.5, calib=str(text), calib_samples=8, calib_seq_len=16,
@@ -38,7 +39,19 @@ def test_far_term_on_the_global_layers(tmp_path, monkeypatch):
     _convert_with_plan(src, out, options, {}, {"far_layers": "global"})
     fit = json.loads((out / "config.json").read_text())["mla"]["method"]["calibration"]["fit"]
     assert fit["far"] == 256 and fit["far_layers"] == [2, 5]  # the CLI's far term, moved to the global layers
-    assert fitted_far == [2, 5]  # and the fits ran so (the CLI's own would be layers 3 and 4)
+    assert fitted_far == [2, 5]  # and the fits ran so
+    # the CLI's own fit settings now choose the same layers for a source with sliding windows (L/2 .. 5L/6 would
+    # be 3 and 4), and keep L/2 .. 5L/6 where no layer has a window
+    from transmla.convert.pipeline import LayerStream
+    from transmla.convert.registry import get_method
+
+    assert LayerStream(get_method("transmla"), src, config, options, progress=False).fit.far_layers == (2, 5)
+    plain = tmp_path / "plain"
+    make_tiny_model("gemma3_text", plain, num_hidden_layers=6, layer_types=["full_attention"] * 6, sliding_window=8)
+    save_word_tokenizer(plain)
+    plain_config = AutoConfig.from_pretrained(plain)
+    assert unwindowed_layers(plain_config) == ()
+    assert LayerStream(get_method("transmla"), plain, plain_config, options, progress=False).fit.far_layers == (3, 4)
 
 
 def test_hybrid_takes_only_the_global_layers(tmp_path):
@@ -55,7 +68,7 @@ def test_hybrid_takes_only_the_global_layers(tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"w{(i * 7) % 96}" for i in range(6000)))
     config = AutoConfig.from_pretrained(src)
-    layers = global_layers(config)
+    layers = unwindowed_layers(config)
     ids = torch.randint(0, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))  # longer than the window
     with torch.no_grad():
         source = _load(src)(ids).logits

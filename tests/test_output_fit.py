@@ -528,6 +528,9 @@ def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_fa
     differs."""
     assert output_fit.far_layers_for(30) == tuple(range(15, 25))
     assert output_fit.far_layers_for(2) == (1,) and output_fit.far_layers_for(1) == (0,)
+    # a source with sliding-window layers beside global ones: its global layers (every layer global: the rule above)
+    assert output_fit.far_layers_for(18, (5, 11, 17)) == (5, 11, 17)
+    assert output_fit.far_layers_for(2, (0, 1)) == (1,)
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
     half_plan = TransMLAPlan(kv_lora_rank=12, rope_dim=4, freqfold="auto")  # 16 of the source's 32 elements

@@ -137,8 +137,13 @@ FAR_MIN_BUDGET = 0.5
 FAR_WEIGHT = 2.0
 
 
-def far_layers_for(num_layers: int) -> tuple[int, ...]:
-    """The layers the CLI's far term fits: L/2 (floor) up to 5L/6 (ceil), never empty."""
+def far_layers_for(num_layers: int, unwindowed: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The layers the CLI's far term fits: for a source with sliding-window layers beside others, the layers
+    without a window (`unwindowed`: the only ones that can read further back than their window; chosen on Gemma
+    3 270M's dev keys and dev32 by benchmarks/gemma3's far-global rule); otherwise L/2 (floor) up to 5L/6
+    (ceil), never empty."""
+    if unwindowed and len(unwindowed) < num_layers:
+        return tuple(unwindowed)
     return tuple(range(num_layers // 2, max(num_layers // 2 + 1, -(-5 * num_layers // 6))))
 
 
@@ -153,20 +158,20 @@ RELATIVE_MAX_BUDGET = 0.25
 
 
 def default_fit_settings(steps: int, seed: int, bf16: bool, cache_elements: int | None, source_elements: int,
-                         num_layers: int, fit_tokens: int) -> FitSettings:
+                         num_layers: int, fit_tokens: int, unwindowed: tuple[int, ...] = ()) -> FitSettings:
     """The CLI's fit: `steps` Adam steps, with the far term where it was chosen: a conversion that keeps
     at least what --kv-budget FAR_MIN_BUDGET keeps (cache_elements of the source's source_elements per
     token per layer; None: unknown, neither), fit sequences of fit_tokens > FAR_TOKENS + 1; with
     RELATIVE_FIT where it was chosen: a conversion that keeps at most what --kv-budget
     RELATIVE_MAX_BUDGET keeps; bf16 (where bf16 products pay) for Adam, and for the other passes too when the
     conversion compresses (FitSettings.bf16_passes; chosen on dev keys, recall and dev32, retrieval_ladder
-    cli-25-unitary+fit-bf16)."""
+    cli-25-unitary+fit-bf16). unwindowed: the layers without a sliding window (far_layers_for)."""
     known = cache_elements is not None
     far = known and cache_elements >= budget_elements(FAR_MIN_BUDGET, source_elements) and fit_tokens > FAR_TOKENS + 1
     relative = known and cache_elements <= budget_elements(RELATIVE_MAX_BUDGET, source_elements)
     compresses = known and cache_elements < source_elements
     return FitSettings(steps=steps, seed=seed, bf16=bf16, bf16_passes=bf16 and compresses,
-                       **({"far": FAR_TOKENS, "far_weight": FAR_WEIGHT, "far_layers": far_layers_for(num_layers)}
+                       **({"far": FAR_TOKENS, "far_weight": FAR_WEIGHT, "far_layers": far_layers_for(num_layers, unwindowed)}
                           if far else {}),
                        **(RELATIVE_FIT if relative else {}))
 

@@ -23,7 +23,7 @@ from ..checkpoint.files import copy_tokenizer_files
 from ..checkpoint.reader import SafetensorsReader
 from ..checkpoint.writer import ShardedWriter, atomic_output_dir
 from ..dtypes import fast_bf16_matmul, torch_dtype
-from ..families import attention_geometry, family_for
+from ..families import attention_geometry, family_for, unwindowed_layers
 from ..mla.config import MLAConfig
 from ..mla.model import mla_config_for
 from ..progress import progress_bar, stderr_console
@@ -143,7 +143,7 @@ class LayerStream:
             if fit is None:
                 fit = default_fit_settings(steps, cal.seed, fast_bf16_matmul(self.device),
                                            cache_elements, self.geometry.kv_elements_per_token_per_layer,
-                                           self.geometry.num_layers, fit_ids.shape[1])
+                                           self.geometry.num_layers, fit_ids.shape[1], unwindowed_layers(config))
             self.fit_ids = fit_ids
             self.calibration["fit"] = {"steps": fit.steps, "lr": fit.lr, "closed_form": fit.closed_form,
                                        "bf16": fit.bf16, "bf16_passes": fit.bf16_passes, "sequences": list(fit_ids.shape), "repeated_spans": spans,

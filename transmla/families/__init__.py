@@ -7,6 +7,7 @@ from .base import (
     UnsupportedArchitectureError,
     attention_geometry,
     rope_inv_freq,
+    unwindowed_layers,
 )
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, qwen3, mistral, mixtral, gemma3)}
@@ -33,4 +34,5 @@ __all__ = [
     "attention_geometry",
     "family_for",
     "rope_inv_freq",
+    "unwindowed_layers",
 ]

@@ -30,6 +30,12 @@ def source_window(config, layer: int) -> int | None:
     return window if kinds is None or kinds[layer] == "sliding_attention" else None
 
 
+def unwindowed_layers(config) -> tuple[int, ...]:
+    """The layers without a sliding window (source_window None), or () where no layer has one."""
+    layers = tuple(i for i in range(config.num_hidden_layers) if source_window(config, i) is None)
+    return () if len(layers) == config.num_hidden_layers else layers
+
+
 @dataclass(frozen=True)
 class MoERouting:
     """How a mixture-of-experts family routes, and its MoE tensors under DeepSeek's names."""
