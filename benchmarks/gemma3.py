@@ -135,7 +135,6 @@ SCREEN_JSON, SCREEN_MD = RESULTS / "gemma3_270m_screen.json", RESULTS / "gemma3_
 DEV_WINDOWS = 16  # per text (wiki, lee) in dev32
 HYBRID_JSON, HYBRID_MD = RESULTS / "gemma3_270m_hybrid.json", RESULTS / "gemma3_270m_hybrid.md"
 DEV_PASSKEY = {"lengths": "1K,2K", "depths": "10,50,90", "keys": 3, "seed": 1}  # the dev passkeys (never seed 0)
-DEV_PASSKEY_LENGTHS = (1024, 2048)
 SCREENS = {  # name -> (kv_lora_rank, rope_dim, fit steps: None = the CLI's, 0 = none, or the saved folder's name,
     #          the plan's changes, the options' changes)
     "25-96+32": (96, 32, 0, {}, {}), "25-64+64": (64, 64, 0, {}, {}),
@@ -347,7 +346,7 @@ def hybrid(name: str) -> None:
     layers = unwindowed_layers(config)
 
     def measure(model) -> dict:
-        return {"dev32": dev32(model, windows), "probe": key_probe(model, tokenizer, settings, DEV_PASSKEY_LENGTHS),
+        return {"dev32": dev32(model, windows), "probe": key_probe(model, tokenizer, settings, settings.length_list),
                 "machine": machine()}
 
     cache.cached("source", lambda: measure(_load(source_dir)))
@@ -359,7 +358,6 @@ def hybrid(name: str) -> None:
     cache.cached(f"hybrid:{name}", lambda: measure(hybrid_model(source_dir, out, layers)) | {
         "global_layers": list(layers), "kept": kept, "source_kept": src,
         "cache_fraction": {str(t): round(hybrid_cache(config, kept, src, t), 4) for t in (2048, 8192, 32768)}})
-    cache.save()
     HYBRID_MD.write_text(hybrid_report(cache.results))
     log(f"hybrid {name}: {cache.results[f'hybrid:{name}']['dev32']}, exact {cache.results[f'hybrid:{name}']['probe']['exact']}")
 
