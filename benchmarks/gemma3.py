@@ -72,6 +72,15 @@ lower: **it passes**, so the CLI's far term now fits the layers without a window
 machines) and `transmla eval FOLDER --task passkey --lengths 1K,2K --depths 10,50,90 --keys 3 --seed 0 --compare
 gemma3-270m` gives the test passkeys (results/gemma3_270m_passkey_50_far_global).
 
+The far term at 25% (session of 2026-12-06 late night; written before measuring anything of it). The CLI turns the
+far term on only from 50% of the cache (output_fit.FAR_MIN_BUDGET, SmolLM2's rule), so Gemma 3's 25% conversion has
+none, and its test passkeys are 5 of 18 against the source's 17. 25-96+32+fit-far-global is the CLI's 25% with the far
+term (FAR_TOKENS, FAR_WEIGHT) on the layers without a window. Its baseline is 25-96+32+fit-now, the CLI's 25% converted
+again with today's defaults (the fit changed since transmla-25's dev32 of 191.73 was measured: bf16 passes, absorbed
+attention), under the same conditions. Rule: the far term on the layers without a window becomes the CLI's at 25% for
+sources with both kinds of layers only if, against 25-96+32+fit-now on the same dev material, its dev passkeys (1K / 2K,
+3 keys at 10 / 50 / 90%, seed 1) find at least 4 more keys and its dev32 is at most 2% higher (the 50% rule's terms).
+
 --hybrid NAME (session of 2026-12-06 night; rule written before measuring anything of it): whether a conversion
 with per-layer shapes is worth building for sources with sliding windows. A sliding layer's cache is bounded by its
 window (512 rows here), so at length the cache is the global layers': at 32K tokens Gemma 3 270M's 15 sliding
@@ -112,6 +121,7 @@ import torch
 from transmla.checkpoint.resolve import cache_root, load_config, resolve_model_dir
 from transmla.convert.api import convert
 from transmla.convert.options import ConvertOptions
+from transmla.convert.output_fit import FAR_TOKENS, FAR_WEIGHT
 from transmla.data.calib import tokenize_text
 from transmla.data.texts import builtin_text
 from transmla.eval.perplexity import perplexity
@@ -151,6 +161,8 @@ SCREENS = {  # name -> (kv_lora_rank, rope_dim, fit steps: None = the CLI's, 0 =
     "25-96+32+fit-corrected": (96, 32, None, {}, {"propagate": "corrected"}),
     "50-192+64+fit-corrected": (192, 64, None, {}, {"propagate": "corrected"}),
     "50-192+64+fit-far-global": (192, 64, None, {}, {}, {"far_layers": "global"}),
+    "25-96+32+fit-now": (96, 32, None, {}, {}),
+    "25-96+32+fit-far-global": (96, 32, None, {}, {}, {"far": FAR_TOKENS, "far_weight": FAR_WEIGHT, "far_layers": "global"}),
 }  # an optional sixth entry: the CLI's fit settings changed ("global": the layers without a sliding window)
 
 
