@@ -80,6 +80,12 @@ again with today's defaults (the fit changed since transmla-25's dev32 of 191.73
 attention), under the same conditions. Rule: the far term on the layers without a window becomes the CLI's at 25% for
 sources with both kinds of layers only if, against 25-96+32+fit-now on the same dev material, its dev passkeys (1K / 2K,
 3 keys at 10 / 50 / 90%, seed 1) find at least 4 more keys and its dev32 is at most 2% higher (the 50% rule's terms).
+Measured (2026-12-06 late night, AMD EPYC, one thread each, the other core converting transmla-50-far-global):
+25-96+32+fit-now dev32 189.15 (wiki 230.08, lee 155.51; 19.3 min), dev passkeys 1 of 18 against the source's 15
+(results/gemma3_270m_passkey_dev_cli25); 25-96+32+fit-far-global dev32 188.11 (wiki 223.78, lee 158.13; 19.9 min),
+dev passkeys 1 of 18 (results/gemma3_270m_passkey_dev_far_global_25). No more keys: **it fails**, the CLI keeps no far
+term at 25%. At 25% the global layers' fit toward what they read from far back does not bring retrieval back: the
+loss there is not the far term's to fix (at 50% it was: 6 -> 14 of 18).
 
 --hybrid NAME (session of 2026-12-06 night; rule written before measuring anything of it): whether a conversion
 with per-layer shapes is worth building for sources with sliding windows. A sliding layer's cache is bounded by its
