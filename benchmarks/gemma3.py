@@ -150,6 +150,8 @@ LOSSY = {  # name -> (method, fraction of the source's cache, other options than
     "transmla-50-corrected": ("transmla", 0.5, {"propagate": "corrected", "screen": "50-192+64+fit-corrected"}),
     # the CLI's 50% since 2026-12-06 (far term on the layers without a window); "transmla-50" holds the old default's row
     "transmla-50-far-global": ("transmla", 0.5, {}),
+    # the CLI's 25% as of 2026-12-06 (bf16 passes, absorbed fit attention since transmla-25's row): --screen's folder
+    "transmla-25-now": ("transmla", 0.25, {"screen": "25-96+32+fit-now"}),
 }
 GOALS = {0.5: 1.15, 0.25: 2.0}  # issue 37: at most this times the source's perplexity on every text
 SCREEN_JSON, SCREEN_MD = RESULTS / "gemma3_270m_screen.json", RESULTS / "gemma3_270m_screen.md"
