@@ -71,6 +71,9 @@ lower: **it passes**, so the CLI's far term now fits the layers without a window
 `--lossy transmla-50-far-global` converts with the CLI's defaults again (the screen's folder is not kept between
 machines) and `transmla eval FOLDER --task passkey --lengths 1K,2K --depths 10,50,90 --keys 3 --seed 0 --compare
 gemma3-270m` gives the test passkeys (results/gemma3_270m_passkey_50_far_global).
+Measured (2026-12-07, AMD EPYC, one thread; 98.3 min to convert, a build and the 25% runs on the other core): 1.32x /
+1.39x / 1.20x the source on wiki / lee / code (the old default's 1.37x / 1.37x / 1.23x; goal 1.15x not met) and 11 of
+18 test passkeys against the source's 17 (the old default's 5).
 
 The far term at 25% (session of 2026-12-06 late night; written before measuring anything of it). The CLI turns the
 far term on only from 50% of the cache (output_fit.FAR_MIN_BUDGET, SmolLM2's rule), so Gemma 3's 25% conversion has
