@@ -89,6 +89,12 @@ Measured (2026-12-06 late night, AMD EPYC, one thread each, the other core conve
 dev passkeys 1 of 18 (results/gemma3_270m_passkey_dev_far_global_25). No more keys: **it fails**, the CLI keeps no far
 term at 25%. At 25% the global layers' fit toward what they read from far back does not bring retrieval back: the
 loss there is not the far term's to fix (at 50% it was: 6 -> 14 of 18).
+Where the 25% keys are lost (written before measuring; a measurement, no choice rides on it): the dev passkeys of
+the fit-free stages, as benchmarks/retrieval_ladder does for SmolLM2, with the CLI's commands: "rorope" (`transmla
+convert gemma3-270m OUT --method transmla --kv-lora-rank 480 --rope-dim 32 --fit-steps 0`: RoRoPE + FreqFold keep 32
+rope dims, the latent at full rank, so nothing else is lost) and "bkv_pca" (the same at --kv-lora-rank 96: the CLI's
+25% shape without Adam), beside the final conversion's 1 of 18 (25-96+32+fit-now) and the source's 15; `transmla eval
+OUT --task passkey --lengths 1K,2K --depths 10,50,90 --keys 3 --seed 1` for each (results/gemma3_270m_ladder_25).
 
 --hybrid NAME (session of 2026-12-06 night; rule written before measuring anything of it): whether a conversion
 with per-layer shapes is worth building for sources with sliding windows. A sliding layer's cache is bounded by its
