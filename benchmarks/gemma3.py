@@ -96,7 +96,9 @@ rope dims, the latent at full rank, so nothing else is lost) and "bkv_pca" (the 
 25% shape without Adam), beside the final conversion's 1 of 18 (25-96+32+fit-now) and the source's 15; `transmla eval
 OUT --task passkey --lengths 1K,2K --depths 10,50,90 --keys 3 --seed 1` for each (results/gemma3_270m_ladder_25).
 Measured (2026-12-07, AMD EPYC, one thread each, side by side): rorope 0 of 18, bkv_pca 0 of 18 (final 1, source 15):
-the keys are lost with the rope budget (32 of 256 dims) before the latent is truncated.
+the keys are lost with the rope budget (32 of 256 dims) before the latent is truncated. Written next, before
+measuring: the same two stages with rope 64 ("rorope" 448 + 64, "bkv_pca" 64 + 64: 25% of the cache with more rope),
+whether more rope keeps the keys (results/gemma3_270m_ladder_25).
 
 --hybrid NAME (session of 2026-12-06 night; rule written before measuring anything of it): whether a conversion
 with per-layer shapes is worth building for sources with sliding windows. A sliding layer's cache is bounded by its
