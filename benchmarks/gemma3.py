@@ -99,6 +99,9 @@ Measured (2026-12-07, AMD EPYC, one thread each, side by side): rorope 0 of 18, 
 the keys are lost with the rope budget (32 of 256 dims) before the latent is truncated. Written next, before
 measuring: the same two stages with rope 64 ("rorope" 448 + 64, "bkv_pca" 64 + 64: 25% of the cache with more rope),
 whether more rope keeps the keys (results/gemma3_270m_ladder_25).
+Measured: rorope 448 + 64 0 of 18, bkv_pca 64 + 64 0 of 18: more rope alone does not keep them either. The keys go
+with partial RoPE itself (the rotation removed from most key dims), at rope 32 and 64 alike; the fit restores them at
+50% (11 of 18 test keys) but not at 25%.
 
 --hybrid NAME (session of 2026-12-06 night; rule written before measuring anything of it): whether a conversion
 with per-layer shapes is worth building for sources with sliding windows. A sliding layer's cache is bounded by its
