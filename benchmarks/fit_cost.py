@@ -341,10 +341,50 @@ def attention_rows() -> dict:
                                                         "load_before": load, "load_after": os.getloadavg()[0]}}
 
 
+BLOCK_SIZES = (0, 128, 64, 32, 16)  # 0: every query in one block (the one product, as before 2026-12-07)
+BLOCK_SHAPES = {"25%": (64, 32), "50%": (128, 64)}  # SmolLM2's exportable shapes: (d_c, d_r)
+
+
+def attend_block_seconds(block: int, d_c: int, d_r: int, far: int = 0, batch: int = 2, queries: int = 256,
+                         T: int = 1024, heads: int = 9) -> float:
+    """Best of 3: attend_rows_differentiable forward and backward under bf16 autocast as Adam's step calls it
+    (batch sequences of T keys, `queries` sorted random query positions each, causal or the far mask), with
+    QUERY_BLOCK = block (0: all queries in one block)."""
+    import transmla.mla.attention as attention
+
+    gen = torch.Generator().manual_seed(0)
+    at = (torch.randperm(T - far - 1, generator=gen)[:queries].sort().values + far + 1)  # [m]
+    mask = (output_fit.far_mask(T, far)[at] if far else torch.arange(T)[None] <= at[:, None])[None, None]
+    q0 = torch.randn(batch, queries, heads, d_c + d_r, generator=gen).bfloat16()
+    rows0 = torch.randn(batch, T, d_c + d_r, generator=gen).bfloat16()
+    saved, attention.QUERY_BLOCK = attention.QUERY_BLOCK, block or queries
+    try:
+        best = float("inf")
+        for _ in range(3):
+            q, rows = q0.clone().requires_grad_(), rows0.clone().requires_grad_()
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = attention.attend_rows_differentiable(q, rows, d_c, (d_c + d_r) ** -0.5, mask)
+            out.float().pow(2).sum().backward()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        attention.QUERY_BLOCK = saved
+    return best
+
+
+def attention_block_rows() -> dict:
+    load = os.getloadavg()[0]
+    timings = {f"{shape}|{far}|{block}": attend_block_seconds(block, *BLOCK_SHAPES[shape], far)
+               for shape in BLOCK_SHAPES for far in (0, output_fit.FAR_TOKENS) for block in BLOCK_SIZES}
+    return {"timings": timings, "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
+                                                        "load_before": load, "load_after": os.getloadavg()[0]}}
+
+
 def report(rows: dict) -> str:
     attention = {k: r for k, r in rows.items() if k.startswith("attention|")}
+    blocks = {k: r for k, r in rows.items() if k.startswith("blocks|")}
     jobs = {k: r for k, r in rows.items() if k.startswith("jobs|")}
-    rows = {k: r for k, r in rows.items() if k not in attention and k not in jobs}
+    rows = {k: r for k, r in rows.items() if k not in attention and k not in jobs and k not in blocks}
     lines = ["# Where a conversion's time goes (TransMLA, the CLI's defaults)", "",
              "Made by `python -m benchmarks.fit_cost` (stages in its docstring). Seconds are wall time of the",
              "conversion process, over the layers timed (all, or the first N with `--layers N`); threads and load as",
@@ -388,6 +428,20 @@ def report(rows: dict) -> str:
             t = r["timings"]
             lines.append(f"| {T} | {t[f'{T}|fwd+bwd']['plain']:.3f} | {t[f'{T}|fwd+bwd']['padded']:.3f} | "
                          f"{t[f'{T}|fwd']['plain']:.4f} | {t[f'{T}|fwd']['padded']:.4f} |")
+    for key, r in blocks.items():
+        m = r["machine"]
+        lines += ["", "## Adam's absorbed attention in query blocks (`--attention-blocks`)", "",
+                  "attend_rows_differentiable forward and backward under bf16 autocast as one Adam step calls it: 2 "
+                  "sequences of 1024 keys, 256 sorted random query positions each, 9 heads; each block of QUERY_BLOCK "
+                  "queries against the rows its mask reaches (causal, or the far term's keys 256+ back). Best of 3, "
+                  f"ms. {m.get('cpu', m.get('machine'))}, {m['threads']} thread(s), load {m['load_before']:.1f}-"
+                  f"{m['load_after']:.1f}.", "",
+                  "| shape (d_c + d_r) | mask | " + " | ".join("one block" if b == 0 else f"{b} queries" for b in BLOCK_SIZES)
+                  + " |", "|---|---|" + "---|" * len(BLOCK_SIZES)]
+        for shape, (d_c, d_r) in BLOCK_SHAPES.items():
+            for far in (0, output_fit.FAR_TOKENS):
+                lines.append(f"| {shape} ({d_c} + {d_r}) | {'far' if far else 'causal'} | "
+                             + " | ".join(f"{1000 * r['timings'][f'{shape}|{far}|{b}']:.1f}" for b in BLOCK_SIZES) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -402,13 +456,19 @@ def main(argv=None) -> int:
     parser.add_argument("--per-layer-rope", action="store_true", help="the native shape (default: the CLI's exportable one)")
     parser.add_argument("--variants", action="store_true", help="also fit layers 2 and 12 under each FIT_VARIANTS setting")
     parser.add_argument("--attention", action="store_true", help="only time SDPA with values padded or not")
+    parser.add_argument("--attention-blocks", action="store_true",
+                        help="only time Adam's absorbed attention at each query block size (mla.attention.QUERY_BLOCK)")
     parser.add_argument("--jobs", help="comma-separated --fit-jobs values: the CLI's conversion with each, in a process of its own")
     parser.add_argument("--report", action="store_true", help="only rewrite the table")
     parser.add_argument("--out", type=Path, default=Path(".cache/fit-cost"))
     args = parser.parse_args(argv)
     cache = ResultCache(OUT_JSON)  # merges with rows another run saved meanwhile
     rows = cache.results
-    if args.attention:
+    if args.attention_blocks:
+        row = attention_block_rows()
+        rows[f"blocks|{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['machine']['threads']}"] = row
+        cache.save()
+    elif args.attention:
         row = attention_rows()
         rows[f"attention|{row['machine'].get('cpu', row['machine'].get('machine'))}|{row['machine']['threads']}"] = row
         cache.save()

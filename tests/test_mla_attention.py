@@ -211,3 +211,31 @@ def test_absorbed_loss_scores_in_float32_under_bf16_autocast():
     rounded = torch.softmax(scores.bfloat16().float().view(B, m, H, T) + bias.transpose(1, 2), dim=-1)
     other = (rounded.view(B, m * H, T).bfloat16() @ rows[..., :d_c]).view(B, m, H, d_c)
     assert float((other.float() - want.float()).abs().max()) > 0.05  # the check can tell the two apart
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "far"])
+def test_absorbed_loss_in_query_blocks_equals_one_product(kind):
+    """attend_rows_differentiable takes its queries QUERY_BLOCK at a time, each block against the span of rows its
+    mask reaches: the output and every gradient equal one masked product over all rows (fp64), for sorted query
+    positions under a causal mask, a sliding window's band and the fit's far mask (keys far back only)."""
+    from transmla.convert.output_fit import far_mask
+    from transmla.mla.attention import QUERY_BLOCK, attend_rows_differentiable
+
+    torch.manual_seed(0)
+    B, H, T, d_c, W = 2, 3, 300, 12, 16
+    m = 2 * QUERY_BLOCK + 22  # three blocks, the last one short
+    at = torch.randperm(T - 41)[:m].sort().values + 41  # [m] sorted query positions
+    j = torch.arange(T)[None, :]
+    mask = {"causal": j <= at[:, None], "window": (j <= at[:, None]) & (j > at[:, None] - 50),
+            "far": far_mask(T, 40)[at]}[kind][None, None]  # [1, 1, m, T]
+    q_rows = torch.randn(B, m, H, W, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(B, T, W, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(B, m, H, d_c, dtype=torch.float64)
+    got = attend_rows_differentiable(q_rows, rows, d_c, 0.3, mask)
+    scores = (q_rows * 0.3).reshape(B, m * H, W) @ rows.transpose(1, 2)  # [B, m*H, T]
+    p = torch.softmax(scores.view(B, m, H, T).masked_fill(~mask.transpose(1, 2), float("-inf")), dim=-1)
+    want = (p.view(B, m * H, T) @ rows[..., :d_c]).view(B, m, H, d_c)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    for g, w in zip(torch.autograd.grad((got * weight).sum(), (q_rows, rows)),
+                    torch.autograd.grad((want * weight).sum(), (q_rows, rows))):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10)

@@ -71,24 +71,50 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+# The fit's differentiable attention takes its queries this many at a time, each block against the key rows its mask
+# lets any of them see (a causal block of sorted queries stops at its last query's row): the keys no query of the
+# block sees add exactly nothing to its softmax, so the result is the one product's, in about 1/2 + 1/(2n) of its
+# work for n blocks of sorted uniform positions (benchmarks/fit_cost.py --attention-blocks has the timing that set it).
+QUERY_BLOCK = 64
+
+
 def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float,
                                mask: torch.Tensor, fold_max_queries: int = 0) -> torch.Tensor:
     """attend_rows' result in plain differentiable products (a training loss; fold_max_queries unused): q_rows
     [B, m, H, W] = [q_lat | q_rope] against rows [B, T, W] = [c | k_r] under mask [B|1, 1, m, T] (True = attend;
     each row needs a key) -> o_lat [B, m, H, d_c]. Every head's queries score the same T rows in one product
     [B, m*H, W] x [B, W, T] (q_nope^T W_UK[h] c = (W_UK[h]^T q_nope)^T c), instead of one small attention per head
-    over keys expanded to [B, T, H, d_nope + d_v]."""
-    B, m, H, _ = q_rows.shape
-    T = rows.shape[1]
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    over keys expanded to [B, T, H, d_nope + d_v]; QUERY_BLOCK queries at a time, over the span of rows their mask
+    reaches."""
     # The scores' product in float32 even under bf16 autocast (as SDPA's flash kernel keeps them): rounded to bf16
-    # its error grows with the scores, and the fit's loss reads them.
+    # its error grows with the scores, and the fit's loss reads them. The rows are cast once, so the blocks'
+    # gradients sum in float32 and are rounded once, as one product's are.
     wide = torch.promote_types(q_rows.dtype, torch.float32)  # float32, or float64 inputs kept as they are
     with torch.autocast(q_rows.device.type, enabled=False):
-        q = (q_rows.to(wide) * softmax_scale).reshape(B, m * H, -1)  # [B, m*H, W]
-        scores = torch.matmul(q, rows.to(wide).transpose(1, 2))  # wide [B, m*H, T]
-    p = torch.softmax(scores.view(B, m, H, T) + bias.transpose(1, 2), dim=-1)  # wide [B, m, H, T]
-    o_lat = torch.matmul(p.view(B, m * H, T).to(rows.dtype), rows[..., :d_c])  # [B, m*H, d_c] (bf16 under autocast, as it casts)
+        rows_wide = rows.to(wide)  # [B, T, W]
+    seen = mask.any(dim=0).any(dim=0)  # [m, T]: keys some batch row of each query sees
+    blocks = []
+    for start in range(0, q_rows.shape[1], QUERY_BLOCK):
+        keys = seen[start : start + QUERY_BLOCK].any(dim=0).nonzero()  # [k, 1]
+        lo, hi = (int(keys[0]), int(keys[-1]) + 1) if keys.numel() else (0, 1)
+        blocks.append(_attend_block(q_rows[:, start : start + QUERY_BLOCK], rows_wide[:, lo:hi], rows.dtype, d_c,
+                                    softmax_scale, mask[:, :, start : start + QUERY_BLOCK, lo:hi]))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+
+
+def _attend_block(q_rows: torch.Tensor, rows_wide: torch.Tensor, dtype: torch.dtype, d_c: int, softmax_scale: float,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """One block of attend_rows_differentiable: q_rows [B, m, H, W] against rows_wide [B, S, W] (float32 or wider)
+    under mask [B|1, 1, m, S] -> o_lat [B, m, H, d_c], read back from the rows in `dtype` (their own)."""
+    B, m, H, _ = q_rows.shape
+    S = rows_wide.shape[1]
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    with torch.autocast(q_rows.device.type, enabled=False):
+        q = (q_rows.to(rows_wide.dtype) * softmax_scale).reshape(B, m * H, -1)  # [B, m*H, W]
+        scores = torch.matmul(q, rows_wide.transpose(1, 2))  # wide [B, m*H, S]
+    p = torch.softmax(scores.view(B, m, H, S) + bias.transpose(1, 2), dim=-1)  # wide [B, m, H, S]
+    # [B, m*H, d_c] (bf16 under autocast, as it casts)
+    o_lat = torch.matmul(p.view(B, m * H, S).to(dtype), rows_wide[..., :d_c].to(dtype))
     return o_lat.view(B, m, H, d_c)
 
 
