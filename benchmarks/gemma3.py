@@ -129,6 +129,19 @@ the 15 sliding layers lossless gives back all the perplexity (the loss at 50% is
 layers'), while retrieval at 1K-2K rests on the 3 global layers, which the hybrid shares with the whole
 conversion. Its cache: 77.8% / 61.9% / 53.6% of the source's at 2K / 8K / 32K.
 
+--propagate corrected at 50% for sources with sliding windows (session of 2026-12-07; written before measuring
+anything of it). At 25% corrected propagation (each layer fitted from the converted model's own hidden states toward
+the source's attention output) took Gemma 3's dev32 from 191.7 to 157.1 (-18%), failing only SmolLM2's 25% rule;
+the hybrid above puts the 50% conversion's perplexity loss in the 15 sliding layers, errors that pile up through
+the stack, which is what corrected propagation fits against. 50-192+64+fit-corrected (already in SCREENS, never run)
+is today's CLI 50% (far term on the layers without a window, since 2026-12-06) with `--propagate corrected`. Its
+baseline is 50-192+64+fit-far-global (dev32 71.42, dev passkeys 14 of 18; the same settings, original propagation).
+Rule: corrected becomes the CLI's propagation for sources with sliding-window layers beside global ones (at every
+budget: it already passed the 3% screen at 25%) if at 50% its dev32 is at least 3% below the baseline's (69.28 or
+lower) and its dev passkeys (1K / 2K, depths 10 / 50 / 90, 3 keys, seed 1) find at least 13 of 18; then the test
+windows (--lossy transmla-50-corrected, the screen's folder) and the test passkeys (seed 0) are run for it. Sources
+without sliding windows keep original propagation (SmolLM2's 25% rule rejected corrected there).
+
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
 
