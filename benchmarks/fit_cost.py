@@ -76,6 +76,16 @@ absorbed form (mla.attention.attend_rows_differentiable; kept by retrieval_ladde
 43 s per layer on the 1.5B (8.8 min for 3 layers against 9.4) and 720 -> 608 s for SmolLM2's whole 25% conversion
 (18.1 min against 19.8, the two run side by side, one core each; the labelled rows). `--label` tells apart rows of
 the same command on CPUs with the same name (the two EPYCs) or code of another day.
+`--attention-blocks` (session of 2026-12-07) times Adam's absorbed attention (mla.attention.attend_rows_differentiable,
+forward and backward under bf16 autocast, 2 x 256 sampled queries over 1024 keys) with its queries in blocks of 16 to
+128, each block against the span of rows its mask reaches, or in one block as before. The sampled positions are
+sorted, so a causal block of 64 stops at its last query's row: the result is the one product's (keys no query of a
+block sees add exactly zero to its softmax; tests/test_mla_attention.py holds it to fp64) in about half the work.
+On the slower AMD EPYC, one thread: 38 ms against 98 at the 25% shape (64 + 32), 66 against 124 at 50% (128 + 64),
+the far term's mask 31 / 55 against 49 / 80; 64 was best or within 3 ms of it everywhere, so QUERY_BLOCK = 64. The
+CLI's 25% conversion then took 16.5 min against 20.6 min for the one-block code (da6eab4), the two side by side on
+one core each of that EPYC (Adam 494 s against 751 s; the closed forms and the source forward unchanged), and its
+wiki-test 32 perplexity is 33.60 (`make demo`'s 33.57-33.63 before): the same conversion, faster.
 Writes benchmarks/results/fit_cost.json (one row per machine and setting) and fit_cost.md.
 
 Measured on a Xeon with AMX (2026-11-29, `--variants`, one thread; the load column is the start's, 0.9: from the
