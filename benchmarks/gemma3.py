@@ -142,6 +142,21 @@ lower) and its dev passkeys (1K / 2K, depths 10 / 50 / 90, 3 keys, seed 1) find 
 windows (--lossy transmla-50-corrected, the screen's folder) and the test passkeys (seed 0) are run for it. Sources
 without sliding windows keep original propagation (SmolLM2's 25% rule rejected corrected there).
 
+Relative rates when the constant-rate fit backs off (session of 2026-12-07; written before measuring anything of it,
+beside the corrected run above, one core each). The CLI's 50% fit runs Adam at a constant 1e-3 and, where a layer's
+loss has not come back below its start a quarter of the way in, restarts it at a third of the rate
+(output_fit.adam_fit). On Gemma 3 270M that back-off fired in all 18 layers of the CLI's 50% conversion (config.json:
+fit_lr 3.3e-4 everywhere), so each layer's fit is 200 steps at 3.3e-4 after 50 wasted ones; SmolLM2's layers never
+back off (output_fit's docstring). The 25% fit's relative rates (RELATIVE_FIT: each tensor's rate in units of its
+RMS, warmup, cosine decay) were made for weights on another scale. 50-192+64+fit-far-global-rel is today's CLI 50%
+with Adam at RELATIVE_FIT's rates from the start (its queries left at all, as the 50% fit has them): for a layer that
+backs off this is exactly what a back-off into relative rates would run (the retry starts from the same weights and
+seed), and every Gemma 3 layer backs off. Baseline: 50-192+64+fit-far-global (dev32 71.42, dev passkeys 14 of 18).
+Rule: the back-off of the CLI's constant-rate fit restarts with RELATIVE_FIT's rates instead of a third of the rate
+(every source, every budget: only layers that back off change) if its dev32 is at least 3% below the baseline's
+(69.28 or lower) and its dev passkeys find at least 13 of 18. If both this and the corrected rule pass, the
+combination is measured before either default changes.
+
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
 
@@ -156,7 +171,7 @@ import torch
 from transmla.checkpoint.resolve import cache_root, load_config, resolve_model_dir
 from transmla.convert.api import convert
 from transmla.convert.options import ConvertOptions
-from transmla.convert.output_fit import FAR_TOKENS, FAR_WEIGHT
+from transmla.convert.output_fit import FAR_TOKENS, FAR_WEIGHT, RELATIVE_FIT
 from transmla.data.calib import tokenize_text
 from transmla.data.texts import builtin_text
 from transmla.eval.perplexity import perplexity
@@ -200,6 +215,8 @@ SCREENS = {  # name -> (kv_lora_rank, rope_dim, fit steps: None = the CLI's, 0 =
     "50-192+64+fit-far-global": (192, 64, None, {}, {}, {"far_layers": "global"}),
     "25-96+32+fit-now": (96, 32, None, {}, {}),
     "25-96+32+fit-far-global": (96, 32, None, {}, {}, {"far": FAR_TOKENS, "far_weight": FAR_WEIGHT, "far_layers": "global"}),
+    "50-192+64+fit-far-global-rel": (192, 64, None, {}, {}, {"far_layers": "global", **{k: v for k, v in RELATIVE_FIT.items()
+                                                                                        if k != "queries"}}),
 }  # an optional sixth entry: the CLI's fit settings changed ("global": the layers without a sliding window)
 
 
