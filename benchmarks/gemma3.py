@@ -156,6 +156,11 @@ Rule: the back-off of the CLI's constant-rate fit restarts with RELATIVE_FIT's r
 (every source, every budget: only layers that back off change) if its dev32 is at least 3% below the baseline's
 (69.28 or lower) and its dev passkeys find at least 13 of 18. If both this and the corrected rule pass, the
 combination is measured before either default changes.
+Measured (2026-12-07, AMD EPYC, one thread, the corrected run on the other core; 51.1 min): dev32 76.91 (wiki 88.29, lee
+67.00) against the baseline's 71.42, +7.7%; dev passkeys 13 of 18 (results/gemma3_270m_passkey_dev_rel_50). **It
+fails** on dev32: the back-off keeps a third of the rate. The fit's mean output error on its own tokens was about the
+same (0.039 against 0.039), worse on the global layer 11 (0.140 against 0.112) and the last (0.094 against 0.086):
+relative rates at 1e-2 move the 50% layers' weights further than the dev windows reward.
 
 Writes benchmarks/results/gemma3_270m.json and .md, with the CPU and the load average.
 """
