@@ -141,6 +141,11 @@ budget: it already passed the 3% screen at 25%) if at 50% its dev32 is at least 
 lower) and its dev passkeys (1K / 2K, depths 10 / 50 / 90, 3 keys, seed 1) find at least 13 of 18; then the test
 windows (--lossy transmla-50-corrected, the screen's folder) and the test passkeys (seed 0) are run for it. Sources
 without sliding windows keep original propagation (SmolLM2's 25% rule rejected corrected there).
+Measured (2026-12-07, AMD EPYC, one thread, the relative-rate run on the other core; 64.1 min): dev32 71.77 (wiki
+82.80, lee 62.21) against the baseline's 71.42, +0.5%; dev passkeys 13 of 18 (results/gemma3_270m_passkey_dev_corrected_50).
+**It fails**: at 50% corrected propagation buys nothing, where at 25% it took 18% off dev32. The 50% layers' errors
+(0.039 mean relative output error after the fit) are too small for what the layers before change to matter; the
+sliding layers' loss the hybrid found is each layer's own, not piled up.
 
 Relative rates when the constant-rate fit backs off (session of 2026-12-07; written before measuring anything of it,
 beside the corrected run above, one core each). The CLI's 50% fit runs Adam at a constant 1e-3 and, where a layer's
