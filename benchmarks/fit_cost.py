@@ -343,12 +343,18 @@ def sdpa_seconds(T: int, padded: bool, backward: bool, heads: int = 9, d_qk: int
     return best
 
 
-def attention_rows() -> dict:
+def timed_row(measure) -> dict:
+    """{"timings": measure(), "machine": ...} with the CPU's flags, torch's threads and the load before and after."""
     load = os.getloadavg()[0]
-    timings = {f"{T}|{mode}": {"plain": sdpa_seconds(T, False, mode == "fwd+bwd"), "padded": sdpa_seconds(T, True, mode == "fwd+bwd")}
-               for T in ATTENTION_LENGTHS for mode in ("fwd+bwd", "fwd")}
+    timings = measure()
     return {"timings": timings, "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
                                                         "load_before": load, "load_after": os.getloadavg()[0]}}
+
+
+def attention_rows() -> dict:
+    return timed_row(lambda: {f"{T}|{mode}": {"plain": sdpa_seconds(T, False, mode == "fwd+bwd"),
+                                              "padded": sdpa_seconds(T, True, mode == "fwd+bwd")}
+                              for T in ATTENTION_LENGTHS for mode in ("fwd+bwd", "fwd")})
 
 
 BLOCK_SIZES = (0, 128, 64, 32, 16)  # 0: every query in one block (the one product, as before 2026-12-07)
@@ -383,11 +389,8 @@ def attend_block_seconds(block: int, d_c: int, d_r: int, far: int = 0, batch: in
 
 
 def attention_block_rows() -> dict:
-    load = os.getloadavg()[0]
-    timings = {f"{shape}|{far}|{block}": attend_block_seconds(block, *BLOCK_SHAPES[shape], far)
-               for shape in BLOCK_SHAPES for far in (0, output_fit.FAR_TOKENS) for block in BLOCK_SIZES}
-    return {"timings": timings, "machine": machine() | {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(),
-                                                        "load_before": load, "load_after": os.getloadavg()[0]}}
+    return timed_row(lambda: {f"{shape}|{far}|{block}": attend_block_seconds(block, *BLOCK_SHAPES[shape], far)
+                              for shape in BLOCK_SHAPES for far in (0, output_fit.FAR_TOKENS) for block in BLOCK_SIZES})
 
 
 def report(rows: dict) -> str:

@@ -95,8 +95,8 @@ def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: in
     seen = mask.any(dim=0).any(dim=0)  # [m, T]: keys some batch row of each query sees
     blocks = []
     for start in range(0, q_rows.shape[1], QUERY_BLOCK):
-        keys = seen[start : start + QUERY_BLOCK].any(dim=0).nonzero()  # [k, 1]
-        lo, hi = (int(keys[0]), int(keys[-1]) + 1) if keys.numel() else (0, 1)
+        keys = seen[start : start + QUERY_BLOCK].any(dim=0).nonzero()  # [k, 1]: not empty, each row sees a key
+        lo, hi = int(keys[0]), int(keys[-1]) + 1
         blocks.append(_attend_block(q_rows[:, start : start + QUERY_BLOCK], rows_wide[:, lo:hi], rows.dtype, d_c,
                                     softmax_scale, mask[:, :, start : start + QUERY_BLOCK, lo:hi]))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
