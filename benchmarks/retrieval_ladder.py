@@ -508,9 +508,10 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
 }
 # Variants measured on a conversion the CLI wrote (its "saved" folder, under the repository root).
 ROOT = Path(__file__).resolve().parent.parent
+SAVED = ROOT / "out" / "ladder"  # --save: each measured conversion's folder
 
 
-def measure(name: str, cache: ResultCache) -> None:
+def measure(name: str, cache: ResultCache, save: bool = False) -> None:
     import torch
 
     from transmla.convert.options import ConvertOptions
@@ -565,6 +566,10 @@ def measure(name: str, cache: ResultCache) -> None:
     else:
         layers = list(stream)
     convert_s = time.perf_counter() - start
+    if save:  # the conversion as the CLI writes it (the source's dtype), for the test tables of a variant that passes
+        from transmla.convert.pipeline import write_mla_checkpoint
+
+        write_mla_checkpoint(b.src_dir, b.config, SAVED / name, layers, stream.record, force=True, progress=False)
     probes: dict = {}
     stages = {k: v for k, v in stream.stages.items() if k not in ("freqfold", "bkv_pca" if not stream.fit else "")}
     first = "_source" not in cache.results
@@ -1024,6 +1029,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="comma-separated variants")
     ap.add_argument("--report", action="store_true", help="only rewrite the table")
+    ap.add_argument("--save", action="store_true", help=f"also write each conversion measured (under {SAVED})")
     ap.add_argument("--stage-recall", default=None, metavar="NAME",
                     help="dev recall of a measured fit-free variant's stages (rorope, bkv_pca)")
     args = ap.parse_args(argv)
@@ -1037,7 +1043,7 @@ def main(argv=None) -> int:
             if name in cache.results:
                 continue
             log(f"{name}: {VARIANTS[name][2]}")
-            measure(name, cache)
+            measure(name, cache, save=args.save)
             (OUT / f"{STEM}.md").write_text(report(cache.results))
     (OUT / f"{STEM}.md").write_text(report(cache.results))
     return 0
