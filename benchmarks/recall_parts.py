@@ -1,0 +1,199 @@
+"""Which part of a converted attention loses recall (issue 34): its scores or its values.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.recall_parts --model out/ladder/rope-64+fit-cli
+
+recall_layers found the 50% conversion losing dev recall in layers 15-24 (and a little in 0-4); this asks
+what inside those layers. Each layer's attention is replaced by a pair of the source's attention and the
+conversion's, computed in plain matrix products (fp32, causal, no cache), mixed in one of four ways:
+
+- source: the source's softmax(q k^T) and values through its o_proj (equals the source layer);
+- conversion: the conversion's softmax and values through its o_proj (equals the converted layer);
+- conversion's scores: the conversion's attention weights over the source's values and o_proj: what the
+  converted keys and queries (the shared rope key, the latent's key part) alone lose;
+- source's scores: the source's attention weights over the conversion's values and o_proj: what the latent's
+  value part (and the fitted o_proj) alone lose.
+
+Heads pair up by index: a conversion keeps the source's query heads (head h of both reads query head h).
+Every mix runs in the layers named (default: all) with the source elsewhere. Measure: the dev recall items
+(retrieval_ladder.DEV_RECALL: 60 items, seed 1, 1K tokens of prose) scored on the cities' first tokens, all
+distinct (one forward of the context per item, the next-token log-probabilities of the candidates' first
+tokens): acc and nll (-log share of the true city among the candidates), the same protocol for every row.
+Writes benchmarks/results/recall_parts_smollm2.{json,md} with the CPU and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch import nn
+
+from .common import RESULTS, log, machine
+from .retrieval_ladder import DEV_RECALL
+
+STEM = "recall_parts_smollm2"
+MIXES = ("source", "conversion", "conversion's scores", "source's scores")
+
+
+def source_qkv(sa, x, position_embeddings):
+    """The source layer's rotated queries and keys and its values, [B, H, T, d] each (KV heads repeated), and scale."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, T, _ = x.shape
+    d = sa.head_dim
+    q = sa.q_proj(x).view(B, T, -1, d).transpose(1, 2)  # [B, H, T, d]
+    k = sa.k_proj(x).view(B, T, -1, d).transpose(1, 2)  # [B, g, T, d]
+    v = sa.v_proj(x).view(B, T, -1, d).transpose(1, 2)  # [B, g, T, d]
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    rep = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), sa.scaling
+
+
+def mla_qkv(ma, x):
+    """The converted layer's queries and keys [B, H, T, d_nope + d_r] and values [B, H, T, d_v] in the expanded form
+    (the shared rope key repeated for every head), and its scale."""
+    from transmla.mla.attention import rotate_half
+
+    c = ma.config
+    B, T, _ = x.shape
+    latent, k_rope = ma.compress(x)  # [B, T, d_c], [B, T, d_r]
+    cos, sin = ma._rope(torch.arange(T)[None].expand(B, -1), latent.dtype)
+    k_rope = k_rope * cos + rotate_half(k_rope) * sin
+    q_nope, q_rope = ma._query(x, cos, sin)  # [B, T, H, d_nope], [B, T, H, d_r]
+    kv = ma.kv_b_proj(latent).view(B, T, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k = torch.cat((k_nope, k_rope[:, :, None].expand(-1, -1, c.num_heads, -1)), dim=-1)  # [B, T, H, d_qk]
+    q = torch.cat((q_nope, q_rope), dim=-1)  # [B, T, H, d_qk]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), c.softmax_scale
+
+
+class MixedAttention(nn.Module):
+    """A source attention `sa` and a converted one `ma`, mixed as `mix` (MIXES); a module in the source's place.
+    softmax(q k^T * scale) of one over the values and o_proj of the other: one causal SDPA call (the values
+    zero-padded to the keys' width where narrower: the same first columns)."""
+
+    def __init__(self, sa, ma, mix: str) -> None:
+        super().__init__()
+        self.sa, self.ma, self.mix = sa, ma, mix
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        src = source_qkv(self.sa, hidden_states, position_embeddings) if self.mix != "conversion" else None
+        mla = mla_qkv(self.ma, hidden_states) if self.mix != "source" else None
+        q, k, _, scale = src if self.mix in ("source", "source's scores") else mla
+        v_from_source = self.mix in ("source", "conversion's scores")
+        v, o_proj = (src[2], self.sa.o_proj) if v_from_source else (mla[2], self.ma.o_proj)  # [B, H, T, d_v]
+        d_v = v.shape[-1]
+        if d_v < q.shape[-1]:
+            v = nn.functional.pad(v, (0, q.shape[-1] - d_v))
+        elif d_v > q.shape[-1]:  # SDPA's fused kernel wants values no wider than the keys: pad q and k instead
+            q, k = (nn.functional.pad(t, (0, d_v - t.shape[-1])) for t in (q, k))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :d_v]
+        return o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
+
+
+def first_token_scores(model, items) -> dict:
+    """acc and nll over the items, each scored by the next-token log-probabilities of its candidates' first tokens."""
+    hits, nll = 0, 0.0
+    for item in items:
+        hidden = model.model(torch.tensor([item.context]), use_cache=False).last_hidden_state[0, -1]  # [D]
+        logits = model.lm_head(hidden).float()  # [V]: the last position's only
+        firsts = [c[0] for c in item.candidates]
+        ll = torch.log_softmax(logits, -1)[firsts]  # [choices]
+        hits += int(ll.argmax().item() == item.answer)
+        nll -= (ll[item.answer] - torch.logsumexp(ll, 0)).item()
+    return {"acc": hits / len(items), "nll": nll / len(items)}
+
+
+def measure(model_dir: str, layers: list[int] | None, limit: int | None) -> dict:
+    from transmla.checkpoint.resolve import load_model
+    from transmla.eval.choice_tasks import ChoiceSettings, recall_items
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    src, tok = load_model("smollm2-135m")
+    conv, _ = load_model(model_dir)
+    items = recall_items(tok, ChoiceSettings(**DEV_RECALL))[:limit]
+    n = len(src.model.layers)
+    chosen = list(range(n)) if layers is None else layers
+    own = [layer.self_attn for layer in src.model.layers]
+    rows = {}
+    with torch.no_grad():
+        check = _check_mixes(src, conv, own, items[0].context[:96])
+        for mix in MIXES:
+            for i in range(n):
+                src.model.layers[i].self_attn = (MixedAttention(own[i], conv.model.layers[i].self_attn, mix)
+                                                 if i in chosen else own[i])
+            start = time.perf_counter()
+            rows[mix] = first_token_scores(src, items) | {"seconds": round(time.perf_counter() - start, 1)}
+            log(f"{mix}: {rows[mix]}")
+        for i in range(n):
+            src.model.layers[i].self_attn = own[i]
+    return {"model": model_dir, "items": DEV_RECALL | {"scored": len(items)}, "layers": chosen, "rows": rows,
+            "check": check, "machine": machine(), "load_after": os.getloadavg()[0]}
+
+
+def _check_mixes(src, conv, own, ids) -> dict:
+    """The "source" and "conversion" mixes against the models themselves (the largest |logit difference| on a
+    short prefix): the products above compute what the layers compute."""
+    x = torch.tensor([ids])
+    n = len(own)
+    ref_src = src(x, use_cache=False).logits
+    ref_conv = conv(x, use_cache=False).logits
+    out = {}
+    for mix, ref in (("source", ref_src), ("conversion", ref_conv)):
+        for i in range(n):
+            src.model.layers[i].self_attn = MixedAttention(own[i], conv.model.layers[i].self_attn, mix)
+        out[mix] = (src(x, use_cache=False).logits - ref).abs().max().item()
+    for i in range(n):
+        src.model.layers[i].self_attn = own[i]
+    log(f"check (max |logit difference| of the mixes against the models): {out}")
+    if max(out.values()) > 1e-3:
+        raise SystemExit(f"the mixes do not compute the layers: {out}")
+    return out
+
+
+def report(result: dict) -> str:
+    rows = result["rows"]
+    src = rows["source"]["nll"]
+    L = ["# Which part of a converted attention loses recall: scores or values", "",
+         (__doc__ or "").split("\n\n")[2].strip(), "", (__doc__ or "").split("\n\n")[3].strip(), "",
+         f"Conversion: `{result['model']}`; mixed layers: {_span(result['layers'])}; items scored: "
+         f"{result['items']['scored']}. Check: {', '.join(f'{k} {v:.1e}' for k, v in result['check'].items())} "
+         "(largest |logit difference| of the mix against the model itself).", "",
+         "| attention | accuracy | nll | nll added | seconds |", "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        L.append(f"| {name} | {r['acc']:.0%} | {r['nll']:.3f} | {r['nll'] - src:+.3f} | {r['seconds']:.0f} |")
+    m = result["machine"]
+    L += ["", f"CPU: {m['machine']}, {m['threads']} thread(s), load {m['load_average']}-{result['load_after']:.2f}; {m['date']}."]
+    return "\n".join(L) + "\n"
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="out/ladder/rope-64+fit-cli", help="a converted SmolLM2 folder")
+    ap.add_argument("--layers", default=None, help="mixed layers, e.g. 15-24 (default: all)")
+    ap.add_argument("--limit", type=int, default=None, help="score only the first N items (a quick look)")
+    ap.add_argument("--stem", default=STEM, help="results file stem")
+    ap.add_argument("--report", action="store_true", help="only rewrite the table")
+    args = ap.parse_args(argv)
+    path = RESULTS / f"{args.stem}.json"
+    if not args.report:
+        layers = None
+        if args.layers:
+            a, _, b = args.layers.partition("-")
+            layers = list(range(int(a), int(b or a) + 1))
+        path.write_text(json.dumps(measure(args.model, layers, args.limit), indent=1) + "\n")
+    (RESULTS / f"{args.stem}.md").write_text(report(json.loads(path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
