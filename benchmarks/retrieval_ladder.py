@@ -288,6 +288,11 @@ recall nll is lower by at least 0.10 (40% of w2's gap to the source, above the s
 not lower, its key NLL is at most 10% of the baseline's gap to the source higher with at most one exact key fewer,
 and its dev32 is at most 1% higher; then the test tables (benchmarks.passkey, seed 0; recall and cloze, 100 items)
 are run for it. Otherwise two spans stay, and the pair records the CLI's 50% dev numbers on a bf16 CPU.
+Measured (2026-12-07, an AMD EPYC with AVX-512 BF16 and no AMX, one core each, 59 min per conversion):
+rope-64+fit-cli keys 0.321 / 23, dev32 27.17, dev recall 50% / 1.205 (the same settings fitted in fp32 on the AVX2
+EPYC: 0.336 / 23, 27.21, 52% / 1.213: bf16 changes nothing that shows); rope-64+fit-cli-repeat4 keys 0.328 / 23,
+dev32 27.26, dev recall 52% / 1.292, its nll higher, not 0.10 lower. **It fails**: two spans stay at 50%. More
+copying in the fit does not bring the recall back (benchmarks/recall_parts looks inside the layers instead).
 """
 
 from __future__ import annotations
