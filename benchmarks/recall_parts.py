@@ -29,10 +29,12 @@ scores over its values 52% / 1.289. There the converted attention finds what to 
 far term on those layers, 2026-11-27, put the scores back) and loses what it reads: the latent's value part and
 the fitted o_proj. Before the fit (rope-64 fit-free, the same plan): the source's scores over the converted values
 in every layer 37% / 1.703; with the latent's PCA weighting value errors by W_o (pca_metric "output") 38% / 1.553; without the BKV balance 35% / 1.806;
-with the PCA centred 35% / 1.676.
-The truncation to 128 latent dims loses the values that recall reads, and the fit gives back part of it. What
-to try next: more of the latent for the values in layers 15-24 (the BKV balance, an output-weighted PCA there, a
-value term in the fit), each judged with the fit by the retrieval ladder's rules.
+with the PCA centred 35% / 1.676; with the PCA weighting key errors by the queries and value errors by W_o
+(pca_metric "attention", the BKV balance then taken on the weighted blocks) **47% / 1.307**; a latent of 160 with
+rope 32 (cli-50) 48% / 1.279. The truncation to 128 latent dims loses the values that recall reads, and the fit
+gives back part of it; the attention-weighted PCA keeps before the fit about what the fit gives back. What to try
+next: that PCA with the CLI's fit (retrieval_ladder rope-64-attention+fit-cli, its rule written), then more of the
+latent for the values in layers 15-24 (the BKV balance, a value term in the fit).
 """
 
 from __future__ import annotations

@@ -293,6 +293,16 @@ rope-64+fit-cli keys 0.321 / 23, dev32 27.17, dev recall 50% / 1.205 (the same s
 EPYC: 0.336 / 23, 27.21, 52% / 1.213: bf16 changes nothing that shows); rope-64+fit-cli-repeat4 keys 0.328 / 23,
 dev32 27.26, dev recall 52% / 1.292, its nll higher, not 0.10 lower. **It fails**: two spans stay at 50%. More
 copying in the fit does not bring the recall back (benchmarks/recall_parts looks inside the layers instead).
+
+rope-64-attention+fit-cli (issue 34; session of 2026-12-07, written before measuring it, after recall_parts). In
+layers 15-24 the CLI's 50% attends as the source does and loses recall in the latent's values (the source's
+attention weights over its values: 52% / 1.289 in those layers); before the fit, the latent's PCA weighting key
+errors by the queries and value errors by W_o (pca_metric "attention") kept the values best of the plans screened
+(the source's weights over its values in every layer: 47% / 1.307, against the plain PCA's 37% / 1.703).
+rope-64-attention+fit-cli is rope-64+fit-cli with that PCA. Rule: pca_metric "attention" becomes the default at
+50% and above if, against rope-64+fit-cli (keys 0.321 / 23, dev32 27.17, dev recall 50% / 1.205), its dev recall
+nll is at most 1.105 with acc not lower, its key NLL at most 0.323 with at least 22 exact, and its dev32 at most
+27.44 (+1%); then the test tables (benchmarks.passkey, seed 0; recall and cloze, 100 items) run for it.
 """
 
 from __future__ import annotations
@@ -507,6 +517,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                         "them (far term weight 2 on layers 15-24; Adam, closed forms and source streams in bf16)"),
     "rope-64+fit-cli-repeat4": ({"fit_shape": (64, 1024), "fit_repeat": 4}, {},
                                 "rope-64+fit-cli with four repeated spans per fit sequence instead of two"),
+    "rope-64-attention+fit-cli": ({"fit_shape": (64, 1024), "fit_repeat": 2}, {"pca_metric": "attention"},
+                                  "rope-64+fit-cli with the latent's PCA weighting key errors by the queries and value "
+                                  "errors by W_o"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
