@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import time
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -125,6 +126,20 @@ def first_token_scores(model, items) -> dict:
     return {"acc": hits / len(items), "nll": nll / len(items)}
 
 
+@contextmanager
+def mixed(source, converted, mix: str, layers: list[int] | None = None):
+    """The source model with MixedAttention(mix) in `layers` (default: all), restored on exit."""
+    own = [layer.self_attn for layer in source.model.layers]
+    try:
+        for i, (layer, conv) in enumerate(zip(source.model.layers, converted.model.layers)):
+            if layers is None or i in layers:
+                layer.self_attn = MixedAttention(own[i], conv.self_attn, mix)
+        yield source
+    finally:
+        for layer, attn in zip(source.model.layers, own):
+            layer.self_attn = attn
+
+
 def measure(model_dir: str, layers: list[int] | None, limit: int | None, mixes: tuple[str, ...] = MIXES) -> dict:
     from transmla.checkpoint.resolve import load_model
     from transmla.eval.choice_tasks import ChoiceSettings, recall_items
@@ -133,39 +148,27 @@ def measure(model_dir: str, layers: list[int] | None, limit: int | None, mixes: 
     src, tok = load_model("smollm2-135m")
     conv, _ = load_model(model_dir)
     items = recall_items(tok, ChoiceSettings(**DEV_RECALL))[:limit]
-    n = len(src.model.layers)
-    chosen = list(range(n)) if layers is None else layers
-    own = [layer.self_attn for layer in src.model.layers]
+    chosen = list(range(len(src.model.layers))) if layers is None else layers
     rows = {}
     with torch.no_grad():
-        check = _check_mixes(src, conv, own, items[0].context[:96])
+        check = _check_mixes(src, conv, items[0].context[:96])
         for mix in mixes:
-            for i in range(n):
-                src.model.layers[i].self_attn = (MixedAttention(own[i], conv.model.layers[i].self_attn, mix)
-                                                 if i in chosen else own[i])
             start = time.perf_counter()
-            rows[mix] = first_token_scores(src, items) | {"seconds": round(time.perf_counter() - start, 1)}
+            with mixed(src, conv, mix, chosen) as model:
+                rows[mix] = first_token_scores(model, items) | {"seconds": round(time.perf_counter() - start, 1)}
             log(f"{mix}: {rows[mix]}")
-        for i in range(n):
-            src.model.layers[i].self_attn = own[i]
     return {"model": model_dir, "items": DEV_RECALL | {"scored": len(items)}, "layers": chosen, "rows": rows,
             "check": check, "machine": machine(), "load_after": os.getloadavg()[0]}
 
 
-def _check_mixes(src, conv, own, ids) -> dict:
+def _check_mixes(src, conv, ids) -> dict:
     """The "source" and "conversion" mixes against the models themselves (the largest |logit difference| on a
     short prefix): the products above compute what the layers compute."""
     x = torch.tensor([ids])
-    n = len(own)
-    ref_src = src(x, use_cache=False).logits
-    ref_conv = conv(x, use_cache=False).logits
     out = {}
-    for mix, ref in (("source", ref_src), ("conversion", ref_conv)):
-        for i in range(n):
-            src.model.layers[i].self_attn = MixedAttention(own[i], conv.model.layers[i].self_attn, mix)
-        out[mix] = (src(x, use_cache=False).logits - ref).abs().max().item()
-    for i in range(n):
-        src.model.layers[i].self_attn = own[i]
+    for mix, ref in (("source", src(x, use_cache=False).logits), ("conversion", conv(x, use_cache=False).logits)):
+        with mixed(src, conv, mix) as model:
+            out[mix] = (model(x, use_cache=False).logits - ref).abs().max().item()
     log(f"check (max |logit difference| of the mixes against the models): {out}")
     if max(out.values()) > 1e-3:
         raise SystemExit(f"the mixes do not compute the layers: {out}")

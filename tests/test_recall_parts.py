@@ -8,16 +8,10 @@ from transmla.convert.options import ConvertOptions
 
 
 def _mixed_logits(source, converted, mix, ids):
-    from benchmarks.recall_parts import MixedAttention
+    from benchmarks.recall_parts import mixed
 
-    own = [layer.self_attn for layer in source.model.layers]
-    try:
-        for layer, conv in zip(source.model.layers, converted.model.layers):
-            layer.self_attn = MixedAttention(layer.self_attn, conv.self_attn, mix)
-        return source(ids, use_cache=False).logits
-    finally:
-        for layer, attn in zip(source.model.layers, own):
-            layer.self_attn = attn
+    with mixed(source, converted, mix) as model:
+        return model(ids, use_cache=False).logits
 
 
 def test_mixes_equal_the_models_and_a_lossless_conversion_everywhere(tmp_path):
