@@ -520,6 +520,50 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
     assert errors["far"] < errors["plain"], errors
 
 
+def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
+    """The self term (FitSettings.self_weight): the source attention under self_mask equals an exact layer's
+    outputs_at under it (fp32, 1e-5); Adam with the term brings a compressed layer's self-read outputs closer
+    to the source's than the fit without it; it refuses to run without the source attention."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    _, path = tiny_factory("llama")
+    config = AutoConfig.from_pretrained(path)
+    _, stream = _stream(path, None)
+    layers = list(stream)
+    errors = {}
+
+    def exact(i, layer, x, z, attend):
+        T = x.shape[1]
+        attn = mla_attention(config, layer, "cpu", i)
+        with torch.no_grad():
+            target = output_fit.masked_targets(attend, x, output_fit.self_mask(T), 0, 2)
+            out = attn.outputs_at(x, torch.arange(T), output_fit.self_mask(T))
+        torch.testing.assert_close(out, target, atol=1e-5 * float(target.abs().max()), rtol=1e-5)
+        return layer
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
+                               fit_ids=_ids(4, 3, 24), fit_layer=exact, progress=False):
+        pass
+
+    def record(i, layer, x, z, attend):
+        if i == 0:
+            T = x.shape[1]
+            target = output_fit.masked_targets(attend, x, output_fit.self_mask(T), 0, 8)
+            for name, settings in (("plain", FitSettings(steps=80)), ("self", FitSettings(steps=80, self_weight=4.0, self_queries=12))):
+                fitted, _ = fit_layer(config, layer, x.clone(), z.clone(), settings, 0, attend)
+                with torch.no_grad():
+                    out = mla_attention(config, fitted, "cpu").outputs_at(x, torch.arange(T), output_fit.self_mask(T))
+                errors[name] = float((out - target).pow(2).sum() / target.pow(2).sum())
+            with pytest.raises(ValueError, match="source attention"):
+                fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, self_weight=1.0))
+        return layer
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,
+                               fit_layer=record, progress=False):
+        pass
+    assert errors["self"] < errors["plain"], errors
+
+
 def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_factory):
     """The CLI's fit (no FitSettings given): for a plan that keeps at least what --kv-budget 0.5 keeps, with fit
     sequences longer than FAR_TOKENS + 1, the far term runs on far_layers_for(L) only at FAR_WEIGHT (both

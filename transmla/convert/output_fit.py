@@ -105,6 +105,12 @@ class FitSettings:
     far_weight: float = 1.0
     far_queries: int = 256  # far query positions per sequence in each step's far term (random; 0: all)
     far_layers: tuple[int, ...] = ()  # the source layers whose fit has the far term (empty: every layer)
+    # self_weight > 0: Adam's loss also compares the attention with each query reading only its own key (self_mask):
+    # sum_h W_o[h] v_h(x_t), the values as a head that attends sharply to one token reads them, which the all-keys
+    # loss weighs only as averages over many keys (whose errors partly cancel). Weighted by self_weight, relative
+    # to that target's own scale, on self_queries random query positions per sequence (0: all).
+    self_weight: float = 0.0
+    self_queries: int = 256
     # Adam's learning rate over the steps: "constant", or "cosine" (lr * (1 + cos(pi * step / steps)) / 2,
     # down to LR_FLOOR of lr); either after `warmup` steps rising linearly from lr / warmup.
     schedule: str = "constant"
@@ -188,15 +194,24 @@ def far_mask(T: int, far: int, window: int = 0, device=None) -> torch.Tensor:
     return mask | ((j == i) & ~mask.any(dim=1, keepdim=True))
 
 
-def far_targets(source_attention, x: torch.Tensor, far: int, window: int, batch: int) -> torch.Tensor:
-    """The source attention's far-only output (far_mask) at positions far + 1 .. T - 1: [N, T - far - 1, D]."""
+def self_mask(T: int, device=None) -> torch.Tensor:
+    """[T, T] bool: each query sees its own key only."""
+    return torch.eye(T, dtype=torch.bool, device=device)
+
+
+def masked_targets(source_attention, x: torch.Tensor, mask: torch.Tensor, first: int, batch: int) -> torch.Tensor:
+    """The source attention's output under `mask` [T, T] at positions first .. T - 1: [N, T - first, D]."""
     T = x.shape[1]
-    mask = far_mask(T, far, window, x.device)[None, None]  # [1, 1, T, T]
-    out = x.new_empty(x.shape[0], T - far - 1, x.shape[2])  # filled batch by batch: no list and concatenation
+    out = x.new_empty(x.shape[0], T - first, x.shape[2])  # filled batch by batch: no list and concatenation
     with torch.no_grad():
         for s in range(0, x.shape[0], batch):
-            out[s : s + batch] = source_attention(x[s : s + batch], mask)[:, far + 1 :]
+            out[s : s + batch] = source_attention(x[s : s + batch], mask[None, None])[:, first:]
     return out
+
+
+def far_targets(source_attention, x: torch.Tensor, far: int, window: int, batch: int) -> torch.Tensor:
+    """The source attention's far-only output (far_mask) at positions far + 1 .. T - 1: [N, T - far - 1, D]."""
+    return masked_targets(source_attention, x, far_mask(x.shape[1], far, window, x.device), far + 1, batch)
 
 
 def mean_square(t: torch.Tensor) -> torch.Tensor:
@@ -287,9 +302,11 @@ def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_
 
 
 def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
-              settings: FitSettings, lr: float, check: bool, z_far: torch.Tensor | None = None) -> bool:
+              settings: FitSettings, lr: float, check: bool, z_far: torch.Tensor | None = None,
+              z_self: torch.Tensor | None = None) -> bool:
     """`settings.steps` Adam steps at `lr`, in place; with `check`, False (stopped) when the loss has
-    not come back below its start by the check step (see adam_fit). z_far: far_targets' [N, T - far - 1, D]."""
+    not come back below its start by the check step (see adam_fit). z_far: far_targets' [N, T - far - 1, D];
+    z_self: the source's output under self_mask [N, T, D]."""
     params = list(attn.parameters())
     if settings.relative_lr:  # each tensor's rate in units of its own RMS (Adam's steps are about lr each)
         groups = [{"params": [p], "lr": lr * max(float(p.detach().pow(2).mean().sqrt()), RELATIVE_FLOOR)} for p in params]
@@ -306,6 +323,9 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
         far_at = torch.arange(far + 1, T, device=x.device)  # [T - far - 1] scored query positions
         far_seen = far_mask(T, far, attn.config.window(attn.layer_idx), x.device)[far + 1 :]  # [T - far - 1, T]
         far_scale = mean_square(z_far)
+    if z_self is not None:
+        eye = self_mask(x.shape[1], x.device)  # [T, T]
+        self_scale = mean_square(z_self)
     losses: list[float] = []
     check_at = max(2 * DIVERGENCE_WINDOW, settings.steps // 4) if check else 0
     with torch.enable_grad():
@@ -324,6 +344,14 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
                     out_far = attn.outputs_at(x[pick], far_at[rows], far_seen[rows])  # [batch, m, D]
                 far_loss = (out_far.float() - z_far[pick][:, rows]).pow(2).mean() / far_scale
                 loss = loss + settings.far_weight * far_loss
+            if z_self is not None:
+                own = torch.arange(x.shape[1], device=x.device)  # [m] query positions, each reading itself
+                if 0 < settings.self_queries < x.shape[1]:
+                    own = torch.randperm(x.shape[1], generator=gen)[: settings.self_queries].sort().values.to(x.device)
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+                    out_self = attn.outputs_at(x[pick], own, eye[own])  # [batch, m, D]
+                self_loss = (out_self.float() - z_self[pick][:, own]).pow(2).mean() / self_scale
+                loss = loss + settings.self_weight * self_loss
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
                 start = losses[0]
@@ -339,7 +367,7 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
 
 
 def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int, settings: FitSettings,
-             z_far: torch.Tensor | None = None) -> float:
+             z_far: torch.Tensor | None = None, z_self: torch.Tensor | None = None) -> float:
     """Step 2: Adam on every parameter of `attn` against the relative squared output error, in place;
     returns the learning rate that ran. Adam's first steps move every weight by about lr whatever
     the weights' scale, so a rate that suits one model throws another's weights around:
@@ -354,12 +382,12 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
     lr = settings.lr
     try:
         for _ in range(MAX_BACKOFFS):
-            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True, z_far=z_far):
+            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True, z_far=z_far, z_self=z_self):
                 return lr
             with torch.no_grad():
                 attn.load_state_dict(start)
             lr /= BACKOFF
-        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False, z_far=z_far)  # the last one runs through
+        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False, z_far=z_far, z_self=z_self)  # the last one runs through
         return lr
     finally:
         for p in attn.parameters():
@@ -405,7 +433,13 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
             # attn holds this one layer as its layer 0 (calibrate.mla_attention): its window is window(0)
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16_passes):
                 z_far = far_targets(source_attention, x, settings.far, attn.config.window(attn.layer_idx), batch)
-        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far)
+        z_self = None
+        if settings.self_weight:
+            if source_attention is None:
+                raise ValueError("FitSettings.self_weight needs the source attention (fit_layer's source_attention)")
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16_passes):
+                z_self = masked_targets(source_attention, x, self_mask(T, x.device), 0, batch)
+        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far, z_self)
         after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at,
                                                                           settings.bf16_passes)
     if after < best_error - ERROR_NOISE:
@@ -419,5 +453,5 @@ def layer_of(attn: MLAAttention, base: MLALayer) -> MLALayer:
 
 
 __all__ = ["DEFAULT_FIT_CALIBRATION", "WIDE_FIT_HIDDEN", "WIDE_FIT_MAX_BUDGET", "WIDE_FIT_SAMPLES", "default_fit_samples", "FAR_MIN_BUDGET", "RELATIVE_FIT", "RELATIVE_MAX_BUDGET", "FAR_TOKENS", "FAR_WEIGHT", "FitSettings", "default_fit_settings",
-           "far_layers_for", "far_mask", "far_targets", "fit_layer", "layer_of", "output_error",
+           "far_layers_for", "far_mask", "far_targets", "masked_targets", "self_mask", "fit_layer", "layer_of", "output_error",
            "refit_o_proj", "refit_o_proj_errors"]
