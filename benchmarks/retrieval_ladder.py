@@ -313,6 +313,15 @@ W_o[h] v_h(x_t), against the source's (output_fit.FitSettings.self_weight, 256 r
 rope-64-attention+fit-cli's rule (against rope-64+fit-cli: dev recall nll at most 1.105 with acc not lower, key NLL
 at most 0.323 with at least 22 exact, dev32 at most 27.44); if both pass, the one with the lower dev recall nll,
 and the other then on top of it by the same rule.
+Measured (2026-12-07, an AMD EPYC with AVX-512 BF16 and no AMX, the two side by side, one core each, 54-55 min per
+conversion): rope-64-attention+fit-cli keys 0.423 / 21, dev32 28.28, dev recall 55% / 1.361 (the fit's mean output
+error 0.150 -> 0.062); rope-64+fit-cli-self keys 0.316 / 24, dev32 27.09, dev recall 50% / 1.328 (0.161 -> 0.051,
+the same as rope-64+fit-cli's fit: 0.161 -> 0.051). **Both fail** on dev recall nll (higher than the baseline's 1.205, not 0.10
+lower); the attention-weighted PCA also loses keys and dev32. The plain PCA and the fit without the self term stay.
+What the fit-free screen (recall_parts: the attention-weighted PCA's values 47% / 1.307 before any fit) promised
+does not survive the fit: after 200 Adam steps on the output error neither plan moves recall beyond the spread
+of its measure (acc 50-55%, nll 1.2-1.36), and the 60-item dev nll of near-identical conversions spreads 1.2-1.36. The self term costs the output
+error nothing and moves keys and dev32 by less than their noise; recall does not follow.
 """
 
 from __future__ import annotations
