@@ -32,9 +32,15 @@ in every layer 37% / 1.703; with the latent's PCA weighting value errors by W_o 
 with the PCA centred 35% / 1.676; with the PCA weighting key errors by the queries and value errors by W_o
 (pca_metric "attention", the BKV balance then taken on the weighted blocks) **47% / 1.307**; a latent of 160 with
 rope 32 (cli-50) 48% / 1.279. The truncation to 128 latent dims loses the values that recall reads, and the fit
-gives back part of it; the attention-weighted PCA keeps before the fit about what the fit gives back. What to try
-next: that PCA with the CLI's fit (retrieval_ladder rope-64-attention+fit-cli, its rule written), then more of the
-latent for the values in layers 15-24 (the BKV balance, a value term in the fit).
+gives back part of it; the attention-weighted PCA keeps before the fit about what the fit gives back.
+With the CLI's fit (2026-12-07, second session; both rejected by their retrieval_ladder rules), in every layer:
+the attention-weighted PCA (rope-64-attention+fit-cli) conversion 55% / 1.368, its scores over the source's values
+35% / 1.867, the source's scores over its values 52% / 1.320: the fit undoes what the PCA kept; the fit's self term
+(rope-64+fit-cli-self: each query reading only its own key fitted too) conversion 52% / 1.340, its scores 42% /
+1.678, the source's scores over its values 52% / **1.135**, the best values of any conversion measured (the CLI's
+1.189): the term does put the values back, and the fit then pays for them in the scores (1.678 against the CLI's
+1.499), so the whole recalls no better. What to try next: the self term with a term that holds the scores (the
+far term on every layer, or the attention weights' KL against the source's), judged by the same rule.
 """
 
 from __future__ import annotations

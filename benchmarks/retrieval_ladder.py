@@ -322,6 +322,15 @@ What the fit-free screen (recall_parts: the attention-weighted PCA's values 47% 
 does not survive the fit: after 200 Adam steps on the output error neither plan moves recall beyond the spread
 of its measure (acc 50-55%, nll 1.2-1.36), and the 60-item dev nll of near-identical conversions spreads 1.2-1.36. The self term costs the output
 error nothing and moves keys and dev32 by less than their noise; recall does not follow.
+Split by recall_parts (every layer): the self term's values are the best measured (the source's scores over them
+52% / 1.135, the CLI's 1.189) and its scores worse (its scores over the source's values 42% / 1.678, the CLI's
+1.499): the fit pays for the values in the scores.
+
+rope-64+fit-cli-self-farall (issue 34; written 2026-12-07 before measuring it, not yet run). The self term with the far
+term on every layer instead of 15-24 (the far term put the scores back in those layers, recall_parts 2026-12-07),
+so that the fit holds the scores while the self term holds the values. Rule: the same as rope-64+fit-cli-self's
+(against rope-64+fit-cli: dev recall nll at most 1.105 with acc not lower, key NLL at most 0.323 with at least 22
+exact, dev32 at most 27.44); then the test tables.
 """
 
 from __future__ import annotations
@@ -542,6 +551,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-cli-self": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_extra": {"self_weight": 1.0}}, {},
                              "rope-64+fit-cli with the fit's self term (each query reading only its own key) at weight 1 "
                              "in every layer"),
+    "rope-64+fit-cli-self-farall": ({"fit_shape": (64, 1024), "fit_repeat": 2,
+                                     "fit_extra": {"self_weight": 1.0, "far_layers": ()}}, {},
+                                    "rope-64+fit-cli-self with the far term on every layer"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
