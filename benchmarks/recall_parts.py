@@ -121,15 +121,25 @@ class MixedAttention(nn.Module):
 
 def first_token_scores(model, items) -> dict:
     """acc and nll over the items, each scored by the next-token log-probabilities of its candidates' first tokens."""
-    hits, nll = 0, 0.0
+    hits, nlls = 0, []
     for item in items:
         hidden = model.model(torch.tensor([item.context]), use_cache=False).last_hidden_state[0, -1]  # [D]
         logits = model.lm_head(hidden).float()  # [V]: the last position's only
         firsts = [c[0] for c in item.candidates]
         ll = torch.log_softmax(logits, -1)[firsts]  # [choices]
         hits += int(ll.argmax().item() == item.answer)
-        nll -= (ll[item.answer] - torch.logsumexp(ll, 0)).item()
-    return {"acc": hits / len(items), "nll": nll / len(items)}
+        nlls.append(-(ll[item.answer] - torch.logsumexp(ll, 0)).item())
+    return {"acc": hits / len(items), "nll": sum(nlls) / len(items), "item_nll": [round(x, 5) for x in nlls]}
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of b - a over the same items and its standard error (sd / sqrt(n)): how far two models' recall nll
+    differ beyond what the items alone would make of it."""
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    sd = (sum((x - mean) ** 2 for x in d) / (n - 1)) ** 0.5
+    return mean, sd / n**0.5
 
 
 @contextmanager
@@ -211,7 +221,15 @@ def main(argv=None) -> int:
     ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated, of: {', '.join(MIXES)}")
     ap.add_argument("--stem", default=STEM, help="results file stem")
     ap.add_argument("--report", action="store_true", help="only rewrite the table")
+    ap.add_argument("--paired", metavar="STEM_A,STEM_B", help="print the paired difference (B - A, and its standard "
+                    "error) of two results' item nll, mix by mix, and stop")
     args = ap.parse_args(argv)
+    if args.paired:
+        a, b = (json.loads((RESULTS / f"{s.strip()}.json").read_text())["rows"] for s in args.paired.split(","))
+        for mix in [m for m in a if m in b and "item_nll" in a[m] and "item_nll" in b[m]]:
+            mean, se = paired(a[mix]["item_nll"], b[mix]["item_nll"])
+            print(f"{mix}: nll {b[mix]['nll'] - a[mix]['nll'] + 0:+.3f} (paired {mean:+.3f} +- {se:.3f} s.e.)")
+        return 0
     path = RESULTS / f"{args.stem}.json"
     if not args.report:
         layers = None

@@ -40,3 +40,16 @@ def test_mixes_equal_the_models_and_a_lossless_conversion_everywhere(tmp_path):
         for mix in ("conversion's scores", "source's scores"):  # each half of the lossy attention: neither model
             got = _mixed_logits(source, lossy, mix, ids)
             assert (got - want).abs().max() > 1e-3 and (got - whole).abs().max() > 1e-3
+
+
+def test_paired_difference_and_its_standard_error():
+    """paired(a, b): mean of b - a over the same items and sd / sqrt(n); items must pair up."""
+    import pytest
+
+    from benchmarks.recall_parts import paired
+
+    mean, se = paired([1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 5.0, 4.0])  # d = 1, 0, 2, 0
+    assert mean == pytest.approx(0.75)
+    assert se == pytest.approx((2.75 / 3) ** 0.5 / 2)
+    with pytest.raises(ValueError):
+        paired([1.0, 2.0], [1.0])
