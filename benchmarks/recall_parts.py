@@ -41,6 +41,13 @@ the attention-weighted PCA (rope-64-attention+fit-cli) conversion 55% / 1.368, i
 1.189): the term does put the values back, and the fit then pays for them in the scores (1.678 against the CLI's
 1.499), so the whole recalls no better. What to try next: the self term with a term that holds the scores (the
 far term on every layer, or the attention weights' KL against the source's), judged by the same rule.
+How large a change on these 60 items is real (`--paired`, each item's nll kept since 2026-12-07; the
+recall_parts_smollm2_items_* results, the "conversion" mix of each saved 50% conversion against the CLI's): four
+repeated spans +0.087 +- 0.044 (standard error of the paired difference), the self term +0.115 +- 0.057, the
+attention-weighted PCA +0.142 +- 0.110; the CLI's 50% against the source +0.259 +- 0.114. The rules' 0.10 is
+about two standard errors of a paired difference between conversions: none of the three came near it, each was
+worse by one to two. The conversion's whole gap to the source is itself only 2.3 of its standard errors on these
+items: a rule that must see half of that gap closed needs about four times the items (240) to see it at two.
 """
 
 from __future__ import annotations

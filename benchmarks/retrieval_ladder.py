@@ -330,7 +330,9 @@ rope-64+fit-cli-self-farall (issue 34; written 2026-12-07 before measuring it, n
 term on every layer instead of 15-24 (the far term put the scores back in those layers, recall_parts 2026-12-07),
 so that the fit holds the scores while the self term holds the values. Rule: the same as rope-64+fit-cli-self's
 (against rope-64+fit-cli: dev recall nll at most 1.105 with acc not lower, key NLL at most 0.323 with at least 22
-exact, dev32 at most 27.44); then the test tables.
+exact, dev32 at most 27.44); then the test tables. Its recall_parts "conversion" row on the same dev items goes
+beside it, with the paired difference against rope-64+fit-cli's (recall_parts --paired; about 0.05 is one standard
+error there).
 """
 
 from __future__ import annotations
