@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         a, b = (json.loads((RESULTS / f"{s.strip()}.json").read_text())["rows"] for s in args.paired.split(","))
         for mix in [m for m in a if m in b and "item_nll" in a[m] and "item_nll" in b[m]]:
             mean, se = paired(a[mix]["item_nll"], b[mix]["item_nll"])
-            print(f"{mix}: nll {b[mix]['nll'] - a[mix]['nll'] + 0:+.3f} (paired {mean:+.3f} +- {se:.3f} s.e.)")
+            print(f"{mix}: nll {b[mix]['nll'] - a[mix]['nll']:+.3f} (paired {mean:+.3f} +- {se:.3f} s.e.)")
         return 0
     path = RESULTS / f"{args.stem}.json"
     if not args.report:

@@ -715,9 +715,6 @@ def measure_stage_recall(name: str, cache: ResultCache) -> None:
     stream = LayerStream(method, b.src_dir, b.config, options, progress=False)
     if plan_kw:
         stream.plan = replace(stream.plan, **plan_kw)
-    if options_kw.get("fit_extra"):  # the CLI's own fit settings with these fields changed (and the record says so)
-        stream.fit = replace(stream.fit, **options_kw["fit_extra"])
-        stream.calibration["fit"] |= {k: list(v) if isinstance(v, tuple) else v for k, v in options_kw["fit_extra"].items()}
     stages: dict[str, list] = {}
     for src, st in zip(b.sources, cached_stats(b, stream)):
         for k, v in method.stage_layers(stream.plan, src, st).items():
