@@ -333,6 +333,21 @@ so that the fit holds the scores while the self term holds the values. Rule: the
 exact, dev32 at most 27.44); then the test tables. Its recall_parts "conversion" row on the same dev items goes
 beside it, with the paired difference against rope-64+fit-cli's (recall_parts --paired; about 0.05 is one standard
 error there).
+
+rope-64+fit-cli-scores and rope-64+fit-cli-self-scores (issue 34; written 2026-12-07, third session, before measuring
+either). recall_parts put the larger part of the CLI 50%'s recall loss in its scores (its scores over the source's
+values 47% / 1.499, against 48% / 1.189 for the source's scores over its values; source 0.966) and found the two
+parts tuned to each other: the fit's loss compares whole outputs, so fitted values can make up for score errors on
+average over the fit text, which a sharp read far back does not average. The scores term (new,
+FitSettings.scores_weight) holds the scores on their own: the converted attention's weights read the source's values
+through the source's o_proj (MLAAttention.weights_over, SourceAttention.heads_output), compared with the source's
+output (which the source's own weights over those values give exactly), at 256 random queries per sequence, weight
+1, every layer, the CLI's 50% fit otherwise. rope-64+fit-cli-scores has it alone; rope-64+fit-cli-self-scores with
+the self term (weight 1) too, so that each part is held on its own. Rule for each, the same as
+rope-64+fit-cli-self's (against rope-64+fit-cli: dev recall nll at most 1.105 with acc not lower, key NLL at most
+0.323 with at least 22 exact, dev32 at most 27.44); among those that pass (with farall), the lowest dev recall nll;
+then the test tables. Their recall_parts rows (whole, and each part) and the paired difference against
+rope-64+fit-cli's items go beside them.
 """
 
 from __future__ import annotations
@@ -556,6 +571,12 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-cli-self-farall": ({"fit_shape": (64, 1024), "fit_repeat": 2,
                                      "fit_extra": {"self_weight": 1.0, "far_layers": ()}}, {},
                                     "rope-64+fit-cli-self with the far term on every layer"),
+    "rope-64+fit-cli-scores": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_extra": {"scores_weight": 1.0}}, {},
+                               "rope-64+fit-cli with the fit's scores term (its attention weights over the source's "
+                               "values and o_proj) at weight 1 in every layer"),
+    "rope-64+fit-cli-self-scores": ({"fit_shape": (64, 1024), "fit_repeat": 2,
+                                     "fit_extra": {"self_weight": 1.0, "scores_weight": 1.0}}, {},
+                                    "rope-64+fit-cli with the self term and the scores term, each at weight 1"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),

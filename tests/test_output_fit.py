@@ -564,6 +564,51 @@ def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
     assert errors["self"] < errors["plain"], errors
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_scores_fit_lowers_the_error_of_its_scores_over_the_source_values(tiny_factory, family):
+    """The scores term (FitSettings.scores_weight): an exact layer's weights over the source's values, through the
+    source's o_proj (MLAAttention.weights_over, SourceAttention.heads_output), equal the source attention's output
+    (fp32, 1e-5; GQA heads, biases with qwen2); Adam with the term brings a compressed layer's scores-over-source-
+    values output closer to the source's than the fit without it; it refuses without the source's tensors."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    _, path = tiny_factory(family)
+    config = AutoConfig.from_pretrained(path)
+    _, stream = _stream(path, None)
+    layers = list(stream)
+    errors = {}
+
+    def scores_output(layer, x, attend, i=0):
+        T = x.shape[1]
+        attn = mla_attention(config, layer, "cpu", i)
+        with torch.no_grad():
+            return attend.source.heads_output(attn.weights_over(x, torch.arange(T), attend.source.value_rows(x)))
+
+    def exact(i, layer, x, z, attend):
+        out = scores_output(layer, x, attend, i)
+        torch.testing.assert_close(out, z, atol=1e-5 * float(z.abs().max()), rtol=1e-5)
+        return layer
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
+                               fit_ids=_ids(4, 3, 24), fit_layer=exact, progress=False):
+        pass
+
+    def record(i, layer, x, z, attend):
+        if i == 0:
+            for name, settings in (("plain", FitSettings(steps=80)), ("scores", FitSettings(steps=80, scores_weight=4.0, scores_queries=12))):
+                fitted, _ = fit_layer(config, layer, x.clone(), z.clone(), settings, 0, attend)
+                out = scores_output(fitted, x, attend)
+                errors[name] = float((out - z).pow(2).sum() / z.pow(2).sum())
+            with pytest.raises(ValueError, match="source attention's values"):
+                fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, scores_weight=1.0), 0, attend.attention)
+        return layer
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,
+                               fit_layer=record, progress=False):
+        pass
+    assert errors["scores"] < errors["plain"], errors
+
+
 def test_cli_fit_has_the_far_term_on_the_middle_layers_at_half_the_cache(tiny_factory):
     """The CLI's fit (no FitSettings given): for a plan that keeps at least what --kv-budget 0.5 keeps, with fit
     sequences longer than FAR_TOKENS + 1, the far term runs on far_layers_for(L) only at FAR_WEIGHT (both

@@ -181,7 +181,7 @@ def calibrated_layers(
                     x, z = _source_attention_io(layer, streams[1][0], *views[1], streams[1][1],
                                                 _sequences(streams[1][0], batch_tokens), store)
                 with torch.inference_mode(False):
-                    converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1]))
+                    converted = fit_layer(i, converted, x, z, _masked_attention(layer, views[1][0], streams[1][1], src))
                 del x, z
                 layer.self_attn = mla_attention(config, converted, device, i)
             fit_x = fit_z = None  # the fit's x and z [N', T', D], filled batch by batch while the fit stream passes
@@ -190,7 +190,7 @@ def calibrated_layers(
                 if k == 2:  # corrected: the fit's converted stream, through the fitted layer (the original's are past)
                     x = _filled(h_all, batch_size, lambda s: layer.input_layernorm(h_all[s : s + batch_size]), store)
                     with torch.inference_mode(False):
-                        converted = fit_layer(i, converted, x, fit_z, _masked_attention(layer, cos_sin, h_pos))
+                        converted = fit_layer(i, converted, x, fit_z, _masked_attention(layer, cos_sin, h_pos, src))
                     del x
                     fit_z = None
                     layer.self_attn = mla_attention(config, converted, device, i)
@@ -211,7 +211,7 @@ def calibrated_layers(
                     hook.remove()
             if fit_x is not None:
                 with torch.inference_mode(False):
-                    converted = fit_layer(i, converted, fit_x, fit_z, _masked_attention(layer, views[1][0], streams[1][1]))
+                    converted = fit_layer(i, converted, fit_x, fit_z, _masked_attention(layer, views[1][0], streams[1][1], src))
                 del fit_x, fit_z
             yield converted
             del layer
@@ -266,11 +266,12 @@ def _filled(like: torch.Tensor, batch_size: int, batch, dtype: torch.dtype) -> t
 
 
 class MaskedSourceAttention:
-    """The source layer's attention on its input x [n, T, D] under a given mask [1, 1, T, T] (bool, True = attend).
-    A class, not a closure: a fit in a worker process (pipeline.LayerStream, fit_jobs) receives it pickled."""
+    """The source layer's attention on its input x [n, T, D] under a given mask [1, 1, T, T] (bool, True = attend),
+    and its tensors (`source`, a SourceAttention: the values a fit's scores term reads). A class, not a closure: a
+    fit in a worker process (pipeline.LayerStream, fit_jobs) receives it pickled."""
 
-    def __init__(self, attention, cos_sin, position_ids) -> None:
-        self.attention, self.cos_sin, self.position_ids = attention, cos_sin, position_ids
+    def __init__(self, attention, cos_sin, position_ids, source: SourceAttention | None = None) -> None:
+        self.attention, self.cos_sin, self.position_ids, self.source = attention, cos_sin, position_ids, source
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(False), torch.no_grad():
@@ -278,8 +279,8 @@ class MaskedSourceAttention:
                                   position_ids=self.position_ids)[0]
 
 
-def _masked_attention(layer, cos_sin, position_ids) -> MaskedSourceAttention:
-    return MaskedSourceAttention(layer.self_attn, cos_sin, position_ids)
+def _masked_attention(layer, cos_sin, position_ids, source: SourceAttention) -> MaskedSourceAttention:
+    return MaskedSourceAttention(layer.self_attn, cos_sin, position_ids, source)
 
 
 def _source_attention_io(layer, hidden, cos_sin, mask, position_ids, batch_size: int,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..checkpoint.reader import SafetensorsReader
 from ..families import AttentionGeometry, attention_geometry, family_for
@@ -59,6 +60,26 @@ class SourceAttention:
             if got != shape:
                 raise ValueError(f"{name} has shape {got}, expected {shape} from the config")
         return layer
+
+
+    def outside_inference(self) -> "SourceAttention":
+        """A copy whose value and output tensors are ordinary ones (cloned outside inference mode: autograd may save
+        them, as a fit's loss through value_rows and heads_output does); the rest shared."""
+        return replace(self, **{f: getattr(self, f).clone() for f in ("wv", "bv", "wo", "bo") if getattr(self, f) is not None})
+
+    def value_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every KV head's values of x [B, T, D], side by side: [B, T, g*d] (one row per token)."""
+        return F.linear(x.to(self.wv.dtype), self.wv, self.bv)
+
+    def heads_output(self, read: torch.Tensor) -> torch.Tensor:
+        """The output [B, m, D] of attention weights that read value_rows: read [B, m, H, g*d] (each query head's
+        weights over every KV head's values), of which query head h keeps its own KV head's (h // group_size, as
+        GQA repeats them), through o_proj."""
+        g = self.geometry
+        B, m = read.shape[:2]
+        own = torch.arange(g.num_heads, device=read.device)  # [H]
+        heads = read.view(B, m, g.num_heads, g.num_kv_heads, g.head_dim)[:, :, own, own // g.group_size]  # [B, m, H, d]
+        return F.linear(heads.reshape(B, m, -1), self.wo.to(heads.dtype), None if self.bo is None else self.bo.to(heads.dtype))
 
 
 @dataclass

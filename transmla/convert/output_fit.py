@@ -111,6 +111,13 @@ class FitSettings:
     # to that target's own scale, on self_queries random query positions per sequence (0: all).
     self_weight: float = 0.0
     self_queries: int = 256
+    # scores_weight > 0: Adam's loss also compares this attention's weights reading the source's values through the
+    # source's o_proj (MLAAttention.weights_over, SourceAttention.heads_output) against the source's output: the
+    # scores held on their own, which the all-keys loss lets the fitted values make up for on average (the source's
+    # scores over the source's values are its output exactly). Weighted by scores_weight, relative to the output's
+    # scale, on scores_queries random query positions per sequence (0: all).
+    scores_weight: float = 0.0
+    scores_queries: int = 256
     # Adam's learning rate over the steps: "constant", or "cosine" (lr * (1 + cos(pi * step / steps)) / 2,
     # down to LR_FLOOR of lr); either after `warmup` steps rising linearly from lr / warmup.
     schedule: str = "constant"
@@ -303,10 +310,11 @@ def output_error(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_
 
 def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int,
               settings: FitSettings, lr: float, check: bool, z_far: torch.Tensor | None = None,
-              z_self: torch.Tensor | None = None) -> bool:
+              z_self: torch.Tensor | None = None, source=None) -> bool:
     """`settings.steps` Adam steps at `lr`, in place; with `check`, False (stopped) when the loss has
     not come back below its start by the check step (see adam_fit). z_far: far_targets' [N, T - far - 1, D];
-    z_self: the source's output under self_mask [N, T, D]."""
+    z_self: the source's output under self_mask [N, T, D]; source: the SourceAttention whose values the scores
+    term reads (settings.scores_weight)."""
     params = list(attn.parameters())
     if settings.relative_lr:  # each tensor's rate in units of its own RMS (Adam's steps are about lr each)
         groups = [{"params": [p], "lr": lr * max(float(p.detach().pow(2).mean().sqrt()), RELATIVE_FLOOR)} for p in params]
@@ -352,6 +360,15 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
                     out_self = attn.outputs_at(x[pick], own, eye[own])  # [batch, m, D]
                 self_loss = (out_self.float() - z_self[pick][:, own]).pow(2).mean() / self_scale
                 loss = loss + settings.self_weight * self_loss
+            if settings.scores_weight:
+                read = torch.arange(x.shape[1], device=x.device)  # [m] query positions whose scores are held
+                if 0 < settings.scores_queries < x.shape[1]:
+                    read = torch.randperm(x.shape[1], generator=gen)[: settings.scores_queries].sort().values.to(x.device)
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+                    values = source.value_rows(x[pick])  # [batch, T, g*d], the source's
+                    out_scores = source.heads_output(attn.weights_over(x[pick], read, values))  # [batch, m, D]
+                scores_loss = (out_scores.float() - z[pick][:, read]).pow(2).mean() / scale
+                loss = loss + settings.scores_weight * scores_loss
             if step < check_at:  # read back only while the check needs it (a device sync each)
                 losses.append(float(loss.detach()))
                 start = losses[0]
@@ -367,7 +384,7 @@ def _adam_run(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids
 
 
 def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids, batch: int, settings: FitSettings,
-             z_far: torch.Tensor | None = None, z_self: torch.Tensor | None = None) -> float:
+             z_far: torch.Tensor | None = None, z_self: torch.Tensor | None = None, source=None) -> float:
     """Step 2: Adam on every parameter of `attn` against the relative squared output error, in place;
     returns the learning rate that ran. Adam's first steps move every weight by about lr whatever
     the weights' scale, so a rate that suits one model throws another's weights around:
@@ -382,12 +399,14 @@ def adam_fit(attn: MLAAttention, x: torch.Tensor, z: torch.Tensor, position_ids,
     lr = settings.lr
     try:
         for _ in range(MAX_BACKOFFS):
-            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True, z_far=z_far, z_self=z_self):
+            if _adam_run(attn, x, z, position_ids, batch, settings, lr, check=True, z_far=z_far, z_self=z_self,
+                         source=source):
                 return lr
             with torch.no_grad():
                 attn.load_state_dict(start)
             lr /= BACKOFF
-        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False, z_far=z_far, z_self=z_self)  # the last one runs through
+        _adam_run(attn, x, z, position_ids, batch, settings, lr, check=False, z_far=z_far, z_self=z_self,
+                  source=source)  # the last one runs through
         return lr
     finally:
         for p in attn.parameters():
@@ -402,7 +421,8 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
     input (float32, not inference tensors; bfloat16 only with settings.bf16_passes, which runs every pass that
     reads them under bf16 autocast); z [N, T, D]: the source attention's output on x (x's dtype).
     index: the source layer (its sliding window, if any, applies). source_attention(x [n, T, D],
-    mask [1, 1, T, T] bool) -> [n, T, D]: the source attention under a mask (settings.far needs it).
+    mask [1, 1, T, T] bool) -> [n, T, D]: the source attention under a mask (settings.far and self_weight need it;
+    scores_weight needs its `source`, the layer's SourceAttention, too).
     Returns the fitted layer (same shapes) and {"output_error": [before, after]} (relative, on x), with
     "fit_lr", Adam's learning rate after any backoff, when Adam ran.
     """
@@ -439,7 +459,12 @@ def fit_layer(config, layer: MLALayer, x: torch.Tensor, z: torch.Tensor,
                 raise ValueError("FitSettings.self_weight needs the source attention (fit_layer's source_attention)")
             with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=settings.bf16_passes):
                 z_self = masked_targets(source_attention, x, self_mask(T, x.device), 0, batch)
-        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far, z_self)
+        source = getattr(source_attention, "source", None)  # calibrate.MaskedSourceAttention's SourceAttention
+        if settings.scores_weight and source is None:
+            raise ValueError("FitSettings.scores_weight needs the source attention's values (fit_layer's "
+                             "source_attention with its SourceAttention)")
+        source = source.outside_inference() if settings.scores_weight else None
+        info["fit_lr"] = adam_fit(attn, x, z, position_ids, batch, settings, z_far, z_self, source)
         after = (refit_o_proj if settings.closed_form else output_error)(attn, x, z, position_ids, batch, at,
                                                                           settings.bf16_passes)
     if after < best_error - ERROR_NOISE:

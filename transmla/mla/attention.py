@@ -79,13 +79,14 @@ QUERY_BLOCK = 64
 
 
 def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: int, softmax_scale: float,
-                               mask: torch.Tensor, fold_max_queries: int = 0) -> torch.Tensor:
+                               mask: torch.Tensor, fold_max_queries: int = 0,
+                               values: torch.Tensor | None = None) -> torch.Tensor:
     """attend_rows' result in plain differentiable products (a training loss; fold_max_queries unused): q_rows
     [B, m, H, W] = [q_lat | q_rope] against rows [B, T, W] = [c | k_r] under mask [B|1, 1, m, T] (True = attend;
     each row needs a key) -> o_lat [B, m, H, d_c]. Every head's queries score the same T rows in one product
     [B, m*H, W] x [B, W, T] (q_nope^T W_UK[h] c = (W_UK[h]^T q_nope)^T c), instead of one small attention per head
     over keys expanded to [B, T, H, d_nope + d_v]; QUERY_BLOCK queries at a time, over the span of rows their mask
-    reaches."""
+    reaches. values [B, T, E], when given, are read by the attention weights instead of the latent: [B, m, H, E]."""
     # The scores' product in float32 even under bf16 autocast (as SDPA's flash kernel keeps them): rounded to bf16
     # its error grows with the scores, and the fit's loss reads them. The rows are cast once, so the blocks'
     # gradients sum in float32 and are rounded once, as one product's are.
@@ -98,14 +99,16 @@ def attend_rows_differentiable(q_rows: torch.Tensor, rows: torch.Tensor, d_c: in
         keys = seen[start : start + QUERY_BLOCK].any(dim=0).nonzero()  # [k, 1]: not empty, each row sees a key
         lo, hi = int(keys[0]), int(keys[-1]) + 1
         blocks.append(_attend_block(q_rows[:, start : start + QUERY_BLOCK], rows_wide[:, lo:hi], rows.dtype, d_c,
-                                    softmax_scale, mask[:, :, start : start + QUERY_BLOCK, lo:hi]))
+                                    softmax_scale, mask[:, :, start : start + QUERY_BLOCK, lo:hi],
+                                    None if values is None else values[:, lo:hi]))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
 
 def _attend_block(q_rows: torch.Tensor, rows_wide: torch.Tensor, dtype: torch.dtype, d_c: int, softmax_scale: float,
-                  mask: torch.Tensor) -> torch.Tensor:
+                  mask: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
     """One block of attend_rows_differentiable: q_rows [B, m, H, W] against rows_wide [B, S, W] (float32 or wider)
-    under mask [B|1, 1, m, S] -> o_lat [B, m, H, d_c], read back from the rows in `dtype` (their own)."""
+    under mask [B|1, 1, m, S] -> o_lat [B, m, H, d_c], read back from the rows in `dtype` (their own); or from
+    values [B, S, E] instead: [B, m, H, E]."""
     B, m, H, _ = q_rows.shape
     S = rows_wide.shape[1]
     bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -114,8 +117,9 @@ def _attend_block(q_rows: torch.Tensor, rows_wide: torch.Tensor, dtype: torch.dt
         scores = torch.matmul(q, rows_wide.transpose(1, 2))  # wide [B, m*H, S]
     p = torch.softmax(scores.view(B, m, H, S) + bias.transpose(1, 2), dim=-1)  # wide [B, m, H, S]
     # [B, m*H, d_c] (bf16 under autocast, as it casts)
-    o_lat = torch.matmul(p.view(B, m * H, S).to(dtype), rows_wide[..., :d_c].to(dtype))
-    return o_lat.view(B, m, H, d_c)
+    read = rows_wide[..., :d_c].to(dtype) if values is None else values.to(dtype)  # [B, S, d_c | E]
+    o_lat = torch.matmul(p.view(B, m * H, S).to(dtype), read)
+    return o_lat.view(B, m, H, read.shape[-1])
 
 
 class MLAAttention(nn.Module):
@@ -252,6 +256,27 @@ class MLAAttention(nn.Module):
         replaces the causal window (each row needs a key). Differentiable, in the absorbed form
         (attend_rows_differentiable); o_proj reads [B, m, H*d_v] as in the forward."""
         c = self.config
+        B, m = hidden_states.shape[0], positions.shape[0]
+        q_nope, q_rope, rows, mask = self._rows_at(hidden_states, positions, keys_seen)
+        out = self._absorbed(q_nope, q_rope, rows, mask, attend=attend_rows_differentiable)  # [B, m, H, d_v]
+        return self.o_proj(out.reshape(B, m, c.num_heads * c.v_head_dim))
+
+    def weights_over(self, hidden_states: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                     keys_seen: torch.Tensor | None = None) -> torch.Tensor:
+        """This attention's weights at the query positions `positions` [m] (as outputs_at) reading other values
+        [B, T, E] (one row per key, every head the same rows) instead of its own: [B, m, H, E]. Differentiable;
+        a fit's loss holds the scores alone with it (output_fit.FitSettings.scores_weight)."""
+        q_nope, q_rope, rows, mask = self._rows_at(hidden_states, positions, keys_seen)
+        w_uk, _ = self.up_weights()
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # [B, m, H, d_c]
+        q_rows = torch.cat((q_lat, q_rope), dim=-1)  # [B, m, H, d_c + d_r]
+        return attend_rows_differentiable(q_rows, rows, self.config.kv_lora_rank, self.config.softmax_scale, mask,
+                                          values=values)
+
+    def _rows_at(self, hidden_states: torch.Tensor, positions: torch.Tensor, keys_seen: torch.Tensor | None):
+        """outputs_at's operands: q_nope [B, m, H, d_nope], rotated q_rope [B, m, H, d_r], the rows [B, T, d_c +
+        d_r] and the mask [1, 1, m, T] (True = attend: causal within any window, or keys_seen [m, T])."""
+        c = self.config
         B, T, _ = hidden_states.shape
         latent, k_rope = self.compress(hidden_states)  # [B, T, d_c], [B, T, d_r]
         cos, sin = self._rope(torch.arange(T, device=hidden_states.device)[None].expand(B, -1), latent.dtype)
@@ -262,8 +287,7 @@ class MLAAttention(nn.Module):
         if c.window(self.layer_idx) and keys_seen is None:
             mask &= keys > positions[:, None] - c.window(self.layer_idx)
         rows = torch.cat((latent, k_rope), dim=-1)  # [B, T, d_c + d_r]
-        out = self._absorbed(q_nope, q_rope, rows, mask[None, None], attend=attend_rows_differentiable)  # [B, m, H, d_v]
-        return self.o_proj(out.reshape(B, positions.shape[0], c.num_heads * c.v_head_dim))
+        return q_nope, q_rope, rows, mask[None, None]
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> q_nope [B, T, H, d_nope] and the rotated q_rope [B, T, H, d_r]."""
