@@ -326,7 +326,7 @@ Split by recall_parts (every layer): the self term's values are the best measure
 52% / 1.135, the CLI's 1.189) and its scores worse (its scores over the source's values 42% / 1.678, the CLI's
 1.499): the fit pays for the values in the scores.
 
-rope-64+fit-cli-self-farall (issue 34; written 2026-12-07 before measuring it, not yet run). The self term with the far
+rope-64+fit-cli-self-farall (issue 34; written 2026-12-07 before measuring it; measured below). The self term with the far
 term on every layer instead of 15-24 (the far term put the scores back in those layers, recall_parts 2026-12-07),
 so that the fit holds the scores while the self term holds the values. Rule: the same as rope-64+fit-cli-self's
 (against rope-64+fit-cli: dev recall nll at most 1.105 with acc not lower, key NLL at most 0.323 with at least 22
@@ -348,6 +348,15 @@ rope-64+fit-cli-self's (against rope-64+fit-cli: dev recall nll at most 1.105 wi
 0.323 with at least 22 exact, dev32 at most 27.44); among those that pass (with farall), the lowest dev recall nll;
 then the test tables. Their recall_parts rows (whole, and each part) and the paired difference against
 rope-64+fit-cli's items go beside them.
+Measured (2026-12-07, an AMD EPYC with AVX-512 BF16 and no AMX, side by side, one core each):
+rope-64+fit-cli-self-farall keys 0.305 / 25 (the best 50% keys measured), dev32 27.61, dev recall 53% / 1.261 (fit
+output error 0.161 -> 0.058; 68 min): **fails** on dev recall nll and on dev32 (27.44 at most).
+rope-64+fit-cli-scores keys 0.329 / 22, dev32 27.03, dev recall 52% / 1.428 (0.161 -> 0.052; 64 min): **fails** on
+dev recall nll. Against rope-64+fit-cli (0.321 / 23, 27.17, 50% / 1.205) the accuracies rise by 2-3 points (one or
+two of 60 items) and the nll rises: by 0.06 with farall, by 0.22 with the scores term (paired standard errors between 50% conversions
+on these items have been 0.04-0.11; recall_parts): holding the scores on their own over the fit text does not hold what recall reads. The scores
+conversion's folder was lost before its recall_parts row was measured (a worktree removed with it), so
+rope-64+fit-cli-self-scores, whose reason was that row, was not run.
 """
 
 from __future__ import annotations
