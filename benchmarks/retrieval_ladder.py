@@ -355,6 +355,10 @@ rope-64+fit-cli-scores keys 0.329 / 22, dev32 27.03, dev recall 52% / 1.428 (0.1
 dev recall nll. Against rope-64+fit-cli (0.321 / 23, 27.17, 50% / 1.205) the accuracies rise by 2-3 points (one or
 two of 60 items) and the nll rises: by 0.06 with farall, by 0.22 with the scores term (paired standard errors between 50% conversions
 on these items have been 0.04-0.11; recall_parts): holding the scores on their own over the fit text does not hold what recall reads. The scores
+farall conversion split by recall_parts (every layer, the same 60 items): whole 52% / 1.279 (paired against the
+CLI's 50%: +0.053 +- 0.059), its scores over the source's values 47% / 1.573 (the CLI's 1.499, the self term's 1.678),
+the source's scores over its values 52% / 1.166 (1.189, 1.135): the far term on every layer takes back part of what
+the self term cost the scores, not more, and the whole is where it was. The scores
 conversion's folder was lost before its recall_parts row was measured (a worktree removed with it), so
 rope-64+fit-cli-self-scores, whose reason was that row, was not run.
 """
