@@ -61,7 +61,6 @@ class SourceAttention:
                 raise ValueError(f"{name} has shape {got}, expected {shape} from the config")
         return layer
 
-
     def outside_inference(self) -> "SourceAttention":
         """A copy whose value and output tensors are ordinary ones (cloned outside inference mode: autograd may save
         them, as a fit's loss through value_rows and heads_output does); the rest shared."""
