@@ -520,6 +520,16 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
     assert errors["far"] < errors["plain"], errors
 
 
+def _exact_fit_pass(path, config, exact) -> None:
+    """Stream the tiny source with its lossless layers (replicated, QK-norm pre-maps attached) through the fit
+    callback `exact` (fit_layer's signature), 3 fit sequences of 24 tokens."""
+    from transmla.convert.calibrate import calibrated_layers
+
+    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
+                               fit_ids=_ids(4, 3, 24), fit_layer=exact, progress=False):
+        pass
+
+
 def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
     """The self term (FitSettings.self_weight): the source attention under self_mask equals an exact layer's
     outputs_at under it (fp32, 1e-5); Adam with the term brings a compressed layer's self-read outputs closer
@@ -541,9 +551,7 @@ def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
         torch.testing.assert_close(out, target, atol=1e-5 * float(target.abs().max()), rtol=1e-5)
         return layer
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
-                               fit_ids=_ids(4, 3, 24), fit_layer=exact, progress=False):
-        pass
+    _exact_fit_pass(path, config, exact)
 
     def record(i, layer, x, z, attend):
         if i == 0:
@@ -589,9 +597,7 @@ def test_scores_fit_lowers_the_error_of_its_scores_over_the_source_values(tiny_f
         torch.testing.assert_close(out, z, atol=1e-5 * float(z.abs().max()), rtol=1e-5)
         return layer
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
-                               fit_ids=_ids(4, 3, 24), fit_layer=exact, progress=False):
-        pass
+    _exact_fit_pass(path, config, exact)
 
     def record(i, layer, x, z, attend):
         if i == 0:
