@@ -120,6 +120,7 @@ def test_recipe_good_and_overrides(tmp_path):
         ({"distill": {"teacher": "src"}}, "distill: its settings apply only with train.objective: distill"),
         ({"distill": {"teachr": "src"}}, "unknown key 'distill.teachr'"),
         ({"data": {"repeated_spans": 2}}, "data.repeated_spans needs data.documents: none"),
+        ({"data": {"stated_facts": 1}}, "data.stated_facts needs data.documents: none"),
     ],
 )
 def test_recipe_errors(change, expect):

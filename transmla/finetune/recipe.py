@@ -100,12 +100,18 @@ class DataSpec(_Strict):
     # signal is reading back far, as copying a fact stated long before needs. Needs documents
     # "none" (one text, so every sequence is one piece of it and a copy never crosses a boundary).
     repeated_spans: int = Field(0, ge=0)
+    # Groups of four people's facts (one attribute each: "Anna plays the cello.") written over the
+    # first half of each training sequence, two of each group asked and answered in its second half
+    # (data.facts.with_stated_facts), so that part of the teacher's signal is recalling a value
+    # stated far back among similar ones. Needs documents "none", as repeated_spans.
+    stated_facts: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _spans_need_one_document(self):
-        if self.repeated_spans and self.documents != "none":
-            raise ValueError(f"data.repeated_spans needs data.documents: none (got {self.documents!r}): "
-                             "a copied span must stay inside one document")
+        for name in ("repeated_spans", "stated_facts"):
+            if getattr(self, name) and self.documents != "none":
+                raise ValueError(f"data.{name} needs data.documents: none (got {self.documents!r}): "
+                                 "what it writes must stay inside one document")
         return self
 
 

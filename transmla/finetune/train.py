@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..checkpoint.finite import require_finite_number
 from ..data.calib import with_repeated_span
+from ..data.facts import with_stated_facts
 from ..dtypes import fast_bf16_matmul
 from .checkpoints import (
     TrainerState,
@@ -179,8 +180,12 @@ def _training_data(recipe: Recipe, tokenizer) -> PackedSequences:
             packed.input_ids[keep], packed.segment_ids[keep], packed.position_ids[keep], packed.labels[keep],
             packed.documents, int((packed.segment_ids[keep] >= 0).sum()),
         )
-    if d.repeated_spans:  # one segment per sequence (documents "none"), so labels stay the next token
-        ids = with_repeated_span(packed.input_ids, recipe.train.seed, spans=d.repeated_spans)  # [N, T]
+    if d.repeated_spans or d.stated_facts:  # one segment per sequence (documents "none"): labels stay the next token
+        ids = packed.input_ids  # [N, T]
+        if d.repeated_spans:
+            ids = with_repeated_span(ids, recipe.train.seed, spans=d.repeated_spans)
+        if d.stated_facts:
+            ids = with_stated_facts(ids, tokenizer, recipe.train.seed, groups=d.stated_facts)
         packed = PackedSequences(ids, packed.segment_ids, packed.position_ids, segment_labels(ids, packed.segment_ids),
                                  packed.documents, packed.tokens)
     return packed
