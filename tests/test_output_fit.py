@@ -427,8 +427,6 @@ def test_far_targets_of_an_exact_layer_equal_its_far_outputs(tiny_factory, famil
     """The source attention under far_mask (through calibrated_layers' `attend`) and an exact MLA layer's
     outputs_at under the same keys agree (fp32, 1e-5): the far loss of an exact layer is zero, so the far
     target is the same attention read from far back on both sides. QK-norm (gemma3) included."""
-    from transmla.convert.calibrate import calibrated_layers
-
     _, path = tiny_factory(family)
     config = AutoConfig.from_pretrained(path)
     fit_ids, far = _ids(4, 3, 24), 5
@@ -443,9 +441,7 @@ def test_far_targets_of_an_exact_layer_equal_its_far_outputs(tiny_factory, famil
             pairs[i] = (output_fit.far_targets(attend, x, far, window, 2), attn.outputs_at(x, at, seen))
         return layer
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
-                               fit_ids=fit_ids, fit_layer=record, progress=False):
-        pass
+    _fit_pass(path, config, record, fit_ids=fit_ids)
     assert sorted(pairs) == list(range(config.num_hidden_layers))
     for i, (target, out) in pairs.items():
         assert target.shape == out.shape == (3, 24 - far - 1, config.hidden_size)
@@ -458,8 +454,6 @@ def test_far_fit_runs_on_a_sliding_layer_past_the_first(tiny_factory, family):
     far target is read under that layer's window (the standalone fit attention holds it as its layer 0; reading
     window(index) there failed with an IndexError past the first layer), equal to the exact layer's own far
     outputs under the window, and the fit runs."""
-    from transmla.convert.calibrate import calibrated_layers
-
     window, far = 12, 5
     _, path = tiny_factory(family, sliding_window=window,
                            **({"layer_types": ["sliding_attention"] * 2} if family == "gemma3_text" else {}))
@@ -478,17 +472,13 @@ def test_far_fit_runs_on_a_sliding_layer_past_the_first(tiny_factory, family):
         assert info["output_error"][1] <= info["output_error"][0] + 1e-6
         return fitted
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
-                               fit_ids=_ids(4, 3, 24), fit_layer=record, progress=False):
-        pass
+    _fit_pass(path, config, record)
     assert seen_windows == {0: window, 1: window}
 
 
 def test_far_fit_lowers_the_far_error(tiny_factory):
     """Adam with the far term (FitSettings.far) brings a compressed layer's far-only outputs closer to the
     source's than the fit without it does, and refuses to run without the source attention."""
-    from transmla.convert.calibrate import calibrated_layers
-
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
     _, stream = _stream(path, None)
@@ -514,19 +504,28 @@ def test_far_fit_lowers_the_far_error(tiny_factory):
                 assert torch.equal(getattr(other, k), getattr(fits["plain"], k)), k
         return layer
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,
-                               fit_layer=record, progress=False):
-        pass
+    _fit_pass(path, config, record, layers)
     assert errors["far"] < errors["plain"], errors
 
 
-def _exact_fit_pass(path, config, exact) -> None:
-    """Stream the tiny source with its lossless layers (replicated, QK-norm pre-maps attached) through the fit
-    callback `exact` (fit_layer's signature), 3 fit sequences of 24 tokens."""
+def _fit_pass(path, config, record, layers=None, fit_ids=None) -> None:
+    """Stream the tiny source through the fit callback `record` (fit_layer's signature): with its lossless
+    layers (replicated, QK-norm pre-maps attached; 3 fit sequences of 24 tokens unless `fit_ids`), or with
+    the given compressed `layers` (FIT_IDS unless `fit_ids`)."""
     from transmla.convert.calibrate import calibrated_layers
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 24), lambda i, src, st: attach_pre_maps(replicate(linear_source(src)), src),
-                               fit_ids=_ids(4, 3, 24), fit_layer=exact, progress=False):
+    if layers is None:
+        def make(i, src, st):
+            return attach_pre_maps(replicate(linear_source(src)), src)
+
+        calib, default_fit = _ids(1, 2, 24), _ids(4, 3, 24)
+    else:
+        def make(i, src, st):
+            return layers[i]
+
+        calib, default_fit = _ids(1, 2, 32), FIT_IDS
+    fit_ids = default_fit if fit_ids is None else fit_ids
+    for _ in calibrated_layers(path, config, calib, make, fit_ids=fit_ids, fit_layer=record, progress=False):
         pass
 
 
@@ -534,8 +533,6 @@ def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
     """The self term (FitSettings.self_weight): the source attention under self_mask equals an exact layer's
     outputs_at under it (fp32, 1e-5); Adam with the term brings a compressed layer's self-read outputs closer
     to the source's than the fit without it; it refuses to run without the source attention."""
-    from transmla.convert.calibrate import calibrated_layers
-
     _, path = tiny_factory("llama")
     config = AutoConfig.from_pretrained(path)
     _, stream = _stream(path, None)
@@ -551,7 +548,7 @@ def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
         torch.testing.assert_close(out, target, atol=1e-5 * float(target.abs().max()), rtol=1e-5)
         return layer
 
-    _exact_fit_pass(path, config, exact)
+    _fit_pass(path, config, exact)
 
     def record(i, layer, x, z, attend):
         if i == 0:
@@ -566,9 +563,7 @@ def test_self_fit_lowers_the_error_of_each_token_reading_itself(tiny_factory):
                 fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, self_weight=1.0))
         return layer
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,
-                               fit_layer=record, progress=False):
-        pass
+    _fit_pass(path, config, record, layers)
     assert errors["self"] < errors["plain"], errors
 
 
@@ -578,8 +573,6 @@ def test_scores_fit_lowers_the_error_of_its_scores_over_the_source_values(tiny_f
     source's o_proj (MLAAttention.weights_over, SourceAttention.heads_output), equal the source attention's output
     (fp32, 1e-5; GQA heads, biases with qwen2); Adam with the term brings a compressed layer's scores-over-source-
     values output closer to the source's than the fit without it; it refuses without the source's tensors."""
-    from transmla.convert.calibrate import calibrated_layers
-
     _, path = tiny_factory(family)
     config = AutoConfig.from_pretrained(path)
     _, stream = _stream(path, None)
@@ -597,7 +590,7 @@ def test_scores_fit_lowers_the_error_of_its_scores_over_the_source_values(tiny_f
         torch.testing.assert_close(out, z, atol=1e-5 * float(z.abs().max()), rtol=1e-5)
         return layer
 
-    _exact_fit_pass(path, config, exact)
+    _fit_pass(path, config, exact)
 
     def record(i, layer, x, z, attend):
         if i == 0:
@@ -609,9 +602,7 @@ def test_scores_fit_lowers_the_error_of_its_scores_over_the_source_values(tiny_f
                 fit_layer(config, layer, x.clone(), z.clone(), FitSettings(steps=2, scores_weight=1.0), 0, attend.attention)
         return layer
 
-    for _ in calibrated_layers(path, config, _ids(1, 2, 32), lambda i, src, st: layers[i], fit_ids=FIT_IDS,
-                               fit_layer=record, progress=False):
-        pass
+    _fit_pass(path, config, record, layers)
     assert errors["scores"] < errors["plain"], errors
 
 
