@@ -391,6 +391,14 @@ for each, against rope-64+fit-cli as above (dev recall nll at most 1.105 with ac
 most 0.323 with at least 22 exact, dev32 at most 27.44); among those that pass, the lower dev recall nll; then the
 test tables. Either one is a step beyond rope-64+fit-cli+distill-facts only if its dev recall nll is at least 0.05
 below that heal's 1.193.
+Measured (2026-12-07, fourth session, the same EPYC, the two heals side by side, one core each, 34 min each; then
+their evaluations side by side): rope-64+fit-cli+distill-facts8 keys **0.243 / 27** (the best 50% keys measured),
+dev32 26.29, dev recall 52% / 1.212; rope-64+fit-cli+distill-facts-attn keys 0.274 / 27, dev32 25.85, dev recall
+55% / 1.142. **Both fail** on dev recall nll (1.105 at most); every other bar passes. o_proj trained too is 0.051
+below the four-group heal's nll (just past the 0.05 asked; about one paired standard error on these items), twice
+the facts is not: more of the facts' signal sharpens the passkeys, not the association recall. Healing with stated
+facts is the first lever that lifts dev recall acc above the unhealed conversion's (55% against 50%) while it lowers
+perplexity (-4.9%) and the key NLL; the recall nll stays 0.18-0.25 above the source's.
 """
 
 from __future__ import annotations
