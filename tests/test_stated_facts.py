@@ -82,3 +82,19 @@ def test_training_data_carries_the_facts(tmp_path):
     assert torch.equal(facts.input_ids, with_stated_facts(plain.input_ids, tok, 0, groups=2))
     assert not torch.equal(facts.input_ids, plain.input_ids)
     assert torch.equal(facts.labels[:, :-1], facts.input_ids[:, 1:])
+
+
+def test_training_data_refuses_facts_that_do_not_fit(tmp_path):
+    """Sequences too short for the asked groups: a one-line error, not silently plain text."""
+    from transmla.finetune.recipe import parse_recipe
+    from transmla.finetune.train import _training_data
+
+    train = tmp_path / "train.txt"
+    train.write_text("plain words of prose " * 200)
+    tok = CharTokenizer()
+    tok.pad_token_id = 0
+    recipe = {"model": {"path": "m"}, "train": {"steps": 1}, "output_dir": str(tmp_path / "o"),
+              "data": {"train": str(train), "documents": "none", "seq_len": 128, "stated_facts": 4}}
+    with pytest.raises(ValueError) as e:
+        _training_data(parse_recipe(recipe, "r"), tok)
+    assert "data.stated_facts: 4 groups" in str(e.value) and "\n" not in str(e.value)

@@ -107,7 +107,7 @@ class DataSpec(_Strict):
     stated_facts: int = Field(0, ge=0)
 
     @model_validator(mode="after")
-    def _spans_need_one_document(self):
+    def _written_data_needs_one_document(self):
         for name in ("repeated_spans", "stated_facts"):
             if getattr(self, name) and self.documents != "none":
                 raise ValueError(f"data.{name} needs data.documents: none (got {self.documents!r}): "

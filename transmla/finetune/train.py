@@ -185,7 +185,10 @@ def _training_data(recipe: Recipe, tokenizer) -> PackedSequences:
         if d.repeated_spans:
             ids = with_repeated_span(ids, recipe.train.seed, spans=d.repeated_spans)
         if d.stated_facts:
-            ids = with_stated_facts(ids, tokenizer, recipe.train.seed, groups=d.stated_facts)
+            plain, ids = ids, with_stated_facts(ids, tokenizer, recipe.train.seed, groups=d.stated_facts)
+            if torch.equal(ids, plain):
+                raise ValueError(f"data.stated_facts: {d.stated_facts} groups of facts do not fit in sequences of "
+                                 f"data.seq_len {d.seq_len} tokens: give fewer groups or longer sequences")
         packed = PackedSequences(ids, packed.segment_ids, packed.position_ids, segment_labels(ids, packed.segment_ids),
                                  packed.documents, packed.tokens)
     return packed
