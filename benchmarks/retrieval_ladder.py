@@ -433,6 +433,13 @@ FAST_FIT = dict(steps=150, lr=1e-3, queries=128, closed_form_queries=512, diverg
 # (the CLI's RELATIVE_FIT at 25% since these ran, less its query sampling, which the variants set themselves)
 REL_FIT = {k: v for k, v in RELATIVE_FIT.items() if k != "queries"}
 # name -> (options beside BASE, plan fields replaced, what it asks)
+def _healed_50(stem: str, what: str) -> tuple[dict, dict, str]:
+    """A heal of the saved CLI 50% (rope-64+fit-cli): `transmla finetune` wrote out/exp/ft-STEM/model, its
+    /usr/bin/time log out/exp/STEM.log."""
+    return ({"saved": f"out/exp/ft-{stem}/model", "converted_by": "rope-64+fit-cli",
+             "trained_by": f"out/exp/{stem}.log"}, {}, what)
+
+
 VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "cli-50": ({**OLD_50, "fit_steps": 0}, {},
                "the CLI's exportable 50% conversion when this began (160 + 32), without the output fit"),
@@ -628,23 +635,16 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-cli-self-scores": ({"fit_shape": (64, 1024), "fit_repeat": 2,
                                      "fit_extra": {"self_weight": 1.0, "scores_weight": 1.0}}, {},
                                     "rope-64+fit-cli with the self term and the scores term, each at weight 1"),
-    "rope-64+fit-cli+distill": ({"saved": "out/exp/ft-heal50/model", "converted_by": "rope-64+fit-cli",
-                                 "trained_by": "out/exp/heal50.log"}, {},
-                                "rope-64+fit-cli healed: its MLA projections distilled from the source, 120 steps of "
-                                "1024 wiki tokens (recipes/smollm2_cpu_heal_facts.yaml without the facts; seconds: "
-                                "conversion + training)"),
-    "rope-64+fit-cli+distill-facts": ({"saved": "out/exp/ft-heal50f/model", "converted_by": "rope-64+fit-cli",
-                                       "trained_by": "out/exp/heal50f.log"}, {},
-                                      "rope-64+fit-cli+distill with four groups of stated facts in each training "
-                                      "sequence, two of each asked later (data.stated_facts 4): the teacher recalls"),
-    "rope-64+fit-cli+distill-facts8": ({"saved": "out/exp/ft-heal50f8/model", "converted_by": "rope-64+fit-cli",
-                                        "trained_by": "out/exp/heal50f8.log"}, {},
-                                       "rope-64+fit-cli+distill-facts with eight groups of facts per sequence "
-                                       "(data.stated_facts 8)"),
-    "rope-64+fit-cli+distill-facts-attn": ({"saved": "out/exp/ft-heal50fa/model", "converted_by": "rope-64+fit-cli",
-                                            "trained_by": "out/exp/heal50fa.log"}, {},
-                                           "rope-64+fit-cli+distill-facts with o_proj trained too (train.trainable "
-                                           "attention)"),
+    "rope-64+fit-cli+distill": _healed_50("heal50", "rope-64+fit-cli healed: its MLA projections distilled from the "
+                                          "source, 120 steps of 1024 wiki tokens (recipes/smollm2_cpu_heal_facts.yaml "
+                                          "without the facts; seconds: conversion + training)"),
+    "rope-64+fit-cli+distill-facts": _healed_50("heal50f", "rope-64+fit-cli+distill with four groups of stated facts in "
+                                                "each training sequence, two of each asked later (data.stated_facts 4): "
+                                                "the teacher recalls"),
+    "rope-64+fit-cli+distill-facts8": _healed_50("heal50f8", "rope-64+fit-cli+distill-facts with eight groups of facts "
+                                                 "per sequence (data.stated_facts 8)"),
+    "rope-64+fit-cli+distill-facts-attn": _healed_50("heal50fa", "rope-64+fit-cli+distill-facts with o_proj trained too "
+                                                     "(train.trainable attention)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),

@@ -18,6 +18,8 @@ import random
 
 import torch
 
+from .calib import tokenize_text
+
 __all__ = ["ATTRIBUTES", "NAMES", "with_stated_facts"]
 
 NAMES = ("Anna", "Boris", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Keiko", "Liam",
@@ -37,19 +39,15 @@ ATTRIBUTES = (
 )
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _group(tokenizer, rng: random.Random, people: int, asked: int) -> tuple[list[int], list[int]]:
-    """One group's statement block and its questions with their answers, as token ids."""
+def _group(tokenizer, rng: random.Random, people: int, asked: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One group's statement block and its questions with their answers, as token ids [n] each."""
     statement, question, lead, values = ATTRIBUTES[rng.randrange(len(ATTRIBUTES))]
     names = rng.sample(NAMES, people)
     picked = rng.sample(values, people)
     stated = " ".join(statement.format(n=n, v=v) for n, v in zip(names, picked))
     asks = " ".join(f"{question.format(n=names[i])} {lead.format(n=names[i])} {picked[i]}."
                     for i in rng.sample(range(people), asked))
-    return _encode(tokenizer, f"\n{stated}\n"), _encode(tokenizer, f"\n{asks}\n")
+    return tokenize_text(tokenizer, f"\n{stated}\n"), tokenize_text(tokenizer, f"\n{asks}\n")
 
 
 def _starts(rng: random.Random, lengths: list[int], lo: int, hi: int) -> list[int] | None:
@@ -82,6 +80,6 @@ def with_stated_facts(ids: torch.Tensor, tokenizer, seed: int, groups: int = 2, 
         if stated is None or asks is None:
             continue
         for (s, q), a, b in zip(blocks, stated, asks):
-            out[r, a : a + len(s)] = torch.tensor(s)
-            out[r, b : b + len(q)] = torch.tensor(q)
+            out[r, a : a + len(s)] = s
+            out[r, b : b + len(q)] = q
     return out
