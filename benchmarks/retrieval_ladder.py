@@ -399,6 +399,19 @@ below the four-group heal's nll (just past the 0.05 asked; about one paired stan
 the facts is not: more of the facts' signal sharpens the passkeys, not the association recall. Healing with stated
 facts is the first lever that lifts dev recall acc above the unhealed conversion's (55% against 50%) while it lowers
 perplexity (-4.9%) and the key NLL; the recall nll stays 0.18-0.25 above the source's.
+rope-64+fit-cli-facts2 and rope-64+fit-cli-facts4 (issue 34; written 2026-12-07, fifth session, before measuring
+either). Healing on stated facts was the first lever to lift dev recall acc (55% against 50%), and it worked through
+the teacher's signal on answers that read one value among several stated the same way; the fit never sees such a
+read (its text is prose, code and copied spans). These put the same facts into the conversion itself: the CLI's 50%
+(rope-64+fit-cli: two repeated spans, far term weight 2 on layers 15-24, bf16 passes) with two or four groups of
+stated facts written over each of its 64 fit sequences after the spans (data.facts.with_stated_facts, seed as the
+spans', other names and phrasing than the recall task's), so the fit's targets, far term included, hold the source's
+attention at the answers (two groups rewrite 13% of the fit's tokens, four 26%, eight would 52%). Rule for each,
+as for the heals (against rope-64+fit-cli: keys 0.321 / 23, dev32 27.17, dev recall 50% / 1.205; source 58% /
+0.966): dev recall nll at most 1.105 with acc not lower than 50%, key NLL at
+most 0.323 with at least 22 exact, dev32 at most 27.44; among those that pass, the lower dev recall nll becomes the
+CLI's 50% fit (its fit sequences carry the facts) and the test tables (benchmarks.passkey seed 0, recall and cloze
+100 items, wiki-test 32) run for it. The two run side by side, one core each.
 """
 
 from __future__ import annotations
@@ -635,6 +648,11 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-cli-self-scores": ({"fit_shape": (64, 1024), "fit_repeat": 2,
                                      "fit_extra": {"self_weight": 1.0, "scores_weight": 1.0}}, {},
                                     "rope-64+fit-cli with the self term and the scores term, each at weight 1"),
+    "rope-64+fit-cli-facts4": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_facts": 4}, {},
+                              "rope-64+fit-cli with four groups of stated facts written over each fit sequence "
+                              "(data.facts.with_stated_facts): the fit's targets hold the source's recall"),
+    "rope-64+fit-cli-facts2": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_facts": 2}, {},
+                              "rope-64+fit-cli-facts4 with two groups per fit sequence"),
     "rope-64+fit-cli+distill": _healed_50("heal50", "rope-64+fit-cli healed: its MLA projections distilled from the "
                                           "source, 120 steps of 1024 wiki tokens (recipes/smollm2_cpu_heal_facts.yaml "
                                           "without the facts; seconds: conversion + training)"),
@@ -673,7 +691,7 @@ def measure(name: str, cache: ResultCache, save: bool = False) -> None:
     settings = PasskeySettings(**DEV_PASSKEY)
     fit_shape = options_kw.get("fit_shape")
     options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items()
-                                   if v is not None and k not in ("fit_shape", "fit_repeat", "fit_span", "fit_settings", "fit_extra")})
+                                   if v is not None and k not in ("fit_shape", "fit_repeat", "fit_span", "fit_settings", "fit_extra", "fit_facts")})
     method = get_method("transmla")
     start = time.perf_counter()
     fit_ids = None
@@ -686,6 +704,10 @@ def measure(name: str, cache: ResultCache, save: bool = False) -> None:
             # True: one span; n: n spans (seeds seed, seed + 1, ...); fit_span: each one's shortest and longest length
             fit_ids = with_repeated_span(fit_ids, cal.seed + 1, *options_kw.get("fit_span", (32, 128)),
                                          spans=int(options_kw["fit_repeat"]))
+        if options_kw.get("fit_facts"):  # n groups of stated facts written over each (after the spans)
+            from transmla.data.facts import with_stated_facts
+
+            fit_ids = with_stated_facts(fit_ids, b.tok, cal.seed + 1, groups=int(options_kw["fit_facts"]))
     fit = None
     if "fit_settings" in options_kw:
         from transmla.convert.output_fit import FitSettings
