@@ -121,6 +121,8 @@ def test_recipe_good_and_overrides(tmp_path):
         ({"distill": {"teachr": "src"}}, "unknown key 'distill.teachr'"),
         ({"data": {"repeated_spans": 2}}, "data.repeated_spans needs data.documents: none"),
         ({"data": {"stated_facts": 1}}, "data.stated_facts needs data.documents: none"),
+        ({"data": {"repeated_spans": 1, "documents": "none", "seq_len": 64}},
+         "data.repeated_spans needs data.seq_len of at least 65 (got 64)"),
     ],
 )
 def test_recipe_errors(change, expect):

@@ -96,7 +96,10 @@ def picked_chunks(n_chunks: int, n_samples: int, seed: int) -> torch.Tensor:
     return torch.randperm(n_chunks, generator=g)[:n_samples].sort().values  # [n_samples]
 
 
-def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = 32, longest: int = 128,
+SHORTEST_SPAN = 32  # tokens: with_repeated_span's shortest span by default
+
+
+def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = SHORTEST_SPAN, longest: int = 128,
                        spans: int = 1) -> torch.Tensor:
     """ids [N, T] with, in each sequence, `spans` spans of `shortest`..`longest` tokens (at most
     (T - 1) // 2) each copied over a later place of the same sequence (one after another, seeds seed,

@@ -112,6 +112,12 @@ class DataSpec(_Strict):
             if getattr(self, name) and self.documents != "none":
                 raise ValueError(f"data.{name} needs data.documents: none (got {self.documents!r}): "
                                  "what it writes must stay inside one document")
+        if self.repeated_spans:
+            from ..data.calib import SHORTEST_SPAN
+
+            if self.seq_len < 2 * SHORTEST_SPAN + 1:  # a span and its copy after token 0, else nothing is written
+                raise ValueError(f"data.repeated_spans needs data.seq_len of at least {2 * SHORTEST_SPAN + 1} (got "
+                                 f"{self.seq_len}): a span of {SHORTEST_SPAN} tokens and its copy must fit")
         return self
 
 
