@@ -428,6 +428,14 @@ more (the same recipe, train.seed 1: another order of the sequences, a fresh war
 least 22 exact, dev32 at most 27.44); either is a step beyond rope-64+fit-cli+distill-facts-attn only if its dev recall
 nll is at least 0.05 below 1.142. One that passes becomes recipes/smollm2_cpu_heal_facts.yaml's setting (the lower
 nll if both) and its test tables run next. Side by side, one core each.
+Measured (2026-12-07, fifth session; AMD EPYC with AVX-512 BF16, no AMX; the two heals side by side, one core each,
+33 min each, 4.5 GB peak; then their evaluations side by side): -240 keys 0.267 / 28 (the most exact keys measured),
+dev32 25.82, dev recall **58%** / 1.170 (the source's accuracy, 58% / 0.966; its nll not); -lr2 keys 0.231 / 27,
+dev32 27.05, dev recall 52% / 1.175. **Both fail** on dev recall nll (1.105 at most) and neither is 0.05 below 1.142
+(the 120-step heal's): the recipe stays as it is. Twice the steps lifts the accuracy by two items of 60 (55% -> 58%)
+and leaves the nll where it was (+0.03, within one paired standard error); twice the rate costs perplexity
+(wiki-test 32 in its own log 20.25 against 19.48) and recall. The heal's recall nll sits at 1.14-1.19 however it is
+run: the converted model picks the right city as often as the source, with less of its confidence.
 """
 
 from __future__ import annotations
