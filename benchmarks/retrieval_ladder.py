@@ -408,10 +408,10 @@ stated facts written over each of its 64 fit sequences after the spans (data.fac
 spans', other names and phrasing than the recall task's), so the fit's targets, far term included, hold the source's
 attention at the answers (two groups rewrite 13% of the fit's tokens, four 26%, eight would 52%). Rule for each,
 as for the heals (against rope-64+fit-cli: keys 0.321 / 23, dev32 27.17, dev recall 50% / 1.205; source 58% /
-0.966): dev recall nll at most 1.105 with acc not lower than 50%, key NLL at
-most 0.323 with at least 22 exact, dev32 at most 27.44; among those that pass, the lower dev recall nll becomes the
-CLI's 50% fit (its fit sequences carry the facts) and the test tables (benchmarks.passkey seed 0, recall and cloze
-100 items, wiki-test 32) run for it. The two run side by side, one core each.
+0.966): dev recall nll at most 1.105 with acc not lower than 50%, key NLL at most 0.323 with at least 22 exact,
+dev32 at most 27.44; among those that pass, the lower dev recall nll becomes the CLI's 50% fit (its fit sequences
+carry the facts) and the test tables (benchmarks.passkey seed 0, recall and cloze 100 items, wiki-test 32) run for
+it. The two run side by side, one core each.
 Measured (2026-12-07, fifth session; AMD EPYC with AVX-512 BF16, no AMX; side by side, one core each, 58 and 56 min):
 rope-64+fit-cli-facts2 keys 0.373 / 22, dev32 27.08, dev recall 48% / 1.256 (fit output error 0.162 -> 0.048);
 rope-64+fit-cli-facts4 keys 0.371 / 22, dev32 27.34, dev recall 47% / 1.299 (0.163 -> 0.043). **Both fail**: recall
@@ -718,8 +718,8 @@ def measure(name: str, cache: ResultCache, save: bool = False) -> None:
     b = Bench()
     settings = PasskeySettings(**DEV_PASSKEY)
     fit_shape = options_kw.get("fit_shape")
-    options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items()
-                                   if v is not None and k not in ("fit_shape", "fit_repeat", "fit_span", "fit_settings", "fit_extra", "fit_facts")})
+    ladder_only = ("fit_shape", "fit_repeat", "fit_span", "fit_settings", "fit_extra", "fit_facts")  # not ConvertOptions'
+    options = ConvertOptions.of(**{k: v for k, v in (BASE | options_kw).items() if v is not None and k not in ladder_only})
     method = get_method("transmla")
     start = time.perf_counter()
     fit_ids = None
