@@ -10,7 +10,7 @@ import torch
 
 from transmla.data.texts import load_text
 
-__all__ = ["tokenize_text", "calibration_chunks", "calibration_mix", "picked_chunks", "split_samples", "with_repeated_span"]
+__all__ = ["tokenize_text", "calibration_chunks", "calibration_mix", "picked_chunks", "split_samples", "longest_repeatable_span", "with_repeated_span"]
 
 
 def tokenize_text(tokenizer, text: str) -> torch.Tensor:
@@ -99,6 +99,13 @@ def picked_chunks(n_chunks: int, n_samples: int, seed: int) -> torch.Tensor:
 SHORTEST_SPAN = 32  # tokens: with_repeated_span's shortest span by default
 
 
+def longest_repeatable_span(seq_len: int, longest: int = 128) -> int:
+    """The longest span with_repeated_span can copy in a sequence of seq_len tokens: a span and its
+    copy after token 0 (the attention sink), so at most (seq_len - 1) // 2; below `shortest` nothing is
+    written."""
+    return min(longest, (seq_len - 1) // 2)
+
+
 def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = SHORTEST_SPAN, longest: int = 128,
                        spans: int = 1) -> torch.Tensor:
     """ids [N, T] with, in each sequence, `spans` spans of `shortest`..`longest` tokens (at most
@@ -108,7 +115,7 @@ def with_repeated_span(ids: torch.Tensor, seed: int, shortest: int = SHORTEST_SP
     back to its first span, up to T tokens away, as when it repeats a key stated long before: fit
     targets that hold such reads (issue 34). Seeded, reproducible."""
     N, T = ids.shape
-    longest = min(longest, (T - 1) // 2)
+    longest = longest_repeatable_span(T, longest)
     if longest < shortest:
         return ids
     out = ids.clone()

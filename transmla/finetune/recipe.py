@@ -113,9 +113,9 @@ class DataSpec(_Strict):
                 raise ValueError(f"data.{name} needs data.documents: none (got {self.documents!r}): "
                                  "what it writes must stay inside one document")
         if self.repeated_spans:
-            from ..data.calib import SHORTEST_SPAN
+            from ..data.calib import SHORTEST_SPAN, longest_repeatable_span
 
-            if self.seq_len < 2 * SHORTEST_SPAN + 1:  # a span and its copy after token 0, else nothing is written
+            if longest_repeatable_span(self.seq_len) < SHORTEST_SPAN:  # else with_repeated_span writes nothing
                 raise ValueError(f"data.repeated_spans needs data.seq_len of at least {2 * SHORTEST_SPAN + 1} (got "
                                  f"{self.seq_len}): a span of {SHORTEST_SPAN} tokens and its copy must fit")
         return self
