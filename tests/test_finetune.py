@@ -120,6 +120,8 @@ def test_recipe_good_and_overrides(tmp_path):
         ({"distill": {"teacher": "src"}}, "distill: its settings apply only with train.objective: distill"),
         ({"distill": {"teachr": "src"}}, "unknown key 'distill.teachr'"),
         ({"data": {"repeated_spans": 2}}, "data.repeated_spans needs data.documents: none"),
+        ({"data": {"answer_weight": 4}}, "data.answer_weight 4 needs data.stated_facts (the answers it weights)"),
+        ({"data": {"answer_weight": 0.5}}, "data.answer_weight: Input should be greater than or equal to 1"),
         ({"data": {"stated_facts": 1}}, "data.stated_facts needs data.documents: none"),
         ({"data": {"repeated_spans": 1, "documents": "none", "seq_len": 64}},
          "data.repeated_spans needs data.seq_len of at least 65 (got 64)"),

@@ -105,18 +105,21 @@ class PackedSequences:
     labels: torch.Tensor  # [N, T] next token, IGNORE at document ends and padding
     documents: int  # documents used
     tokens: int  # real (non-padding) tokens
+    weights: torch.Tensor | None = None  # [N, T] each label's weight in the loss (data.answer_weight); None: 1
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def batch(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Model inputs for the sequences ``index`` [B]: ids, positions, mask [B, 1, T, T], labels."""
+        """Model inputs for the sequences ``index`` [B]: ids, positions, mask [B, 1, T, T], labels (and
+        the labels' weights [B, T] where they are not all 1)."""
         seg = self.segment_ids[index]  # [B, T]
         return {
             "input_ids": self.input_ids[index],
             "position_ids": self.position_ids[index],
             "attention_mask": segment_mask(seg),
             "labels": self.labels[index],
+            **({"weights": self.weights[index]} if self.weights is not None else {}),
         }
 
 

@@ -51,10 +51,12 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempera
 
 
 def scored_kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                  temperature: float) -> torch.Tensor:
-    """The per-token KL summed over the scored tokens (labels != IGNORE): logits [B, T, V], labels [B, T]."""
+                  temperature: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token KL summed over the scored tokens (labels != IGNORE): logits [B, T, V], labels [B, T];
+    each token's KL times its weight [B, T] where weights are given."""
     scored = labels != IGNORE  # [B, T]
-    return token_kl(student_logits[scored], teacher_logits[scored], temperature).sum()  # rows [N, V] -> []
+    kl = token_kl(student_logits[scored], teacher_logits[scored], temperature)  # rows [N, V] -> [N]
+    return (kl if weights is None else kl * weights[scored]).sum()
 
 
 def distill_objective(kl, nll, spec: DistillSpec):

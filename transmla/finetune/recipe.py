@@ -105,6 +105,10 @@ class DataSpec(_Strict):
     # (data.facts.with_stated_facts), so that part of the teacher's signal is recalling a value
     # stated far back among similar ones. Needs documents "none", as repeated_spans.
     stated_facts: int = Field(0, ge=0)
+    # How many times the loss at the stated facts' answers counts (the labels that are an answer's value
+    # tokens); 1: as any other token. The answers are a few tokens of each sequence, so most of the
+    # teacher's signal is on the prose around them. Needs stated_facts.
+    answer_weight: float = Field(1.0, ge=1.0)
 
     @model_validator(mode="after")
     def _written_data_needs_one_document(self):
@@ -112,6 +116,8 @@ class DataSpec(_Strict):
             if getattr(self, name) and self.documents != "none":
                 raise ValueError(f"data.{name} needs data.documents: none (got {self.documents!r}): "
                                  "what it writes must stay inside one document")
+        if self.answer_weight != 1 and not self.stated_facts:
+            raise ValueError(f"data.answer_weight {self.answer_weight:g} needs data.stated_facts (the answers it weights)")
         if self.repeated_spans:
             from ..data.calib import SHORTEST_SPAN, longest_repeatable_span
 

@@ -184,13 +184,18 @@ def _training_data(recipe: Recipe, tokenizer) -> PackedSequences:
         ids = packed.input_ids  # [N, T]
         if d.repeated_spans:
             ids = with_repeated_span(ids, recipe.train.seed, spans=d.repeated_spans)
+        weights = None
         if d.stated_facts:
-            plain, ids = ids, with_stated_facts(ids, tokenizer, recipe.train.seed, groups=d.stated_facts)
+            plain, (ids, answers) = ids, with_stated_facts(ids, tokenizer, recipe.train.seed, groups=d.stated_facts,
+                                                           answers=True)
             if torch.equal(ids, plain):
                 raise ValueError(f"data.stated_facts: {d.stated_facts} groups of facts do not fit in sequences of "
                                  f"data.seq_len {d.seq_len} tokens: give fewer groups or longer sequences")
+            if d.answer_weight != 1:  # the label at t - 1 is the token at t: the positions that predict a value
+                weights = torch.ones(ids.shape)  # [N, T]
+                weights[:, :-1][answers[:, 1:]] = d.answer_weight
         packed = PackedSequences(ids, packed.segment_ids, packed.position_ids, segment_labels(ids, packed.segment_ids),
-                                 packed.documents, packed.tokens)
+                                 packed.documents, packed.tokens, weights)
     return packed
 
 
@@ -426,12 +431,16 @@ class Trainer:
         # pure distillation (alpha 1) only logs the NLL: no graph kept for it
         logged_only = self.teacher is not None and self.recipe.distill.alpha == 1
         nll_logits = logits.detach() if logged_only else logits  # [B, T, V]
-        nll = F.cross_entropy(nll_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        weights = batch.get("weights")  # [B, T] or None (every label counts once)
+        nll = F.cross_entropy(nll_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                              reduction="sum" if weights is None else "none")
+        if weights is not None:
+            nll = (nll * weights.flatten()).sum()  # ignored labels are 0 already
         terms = {"nll": nll}
         if self.teacher is not None:
             with torch.no_grad():
                 teacher_logits = _logits(self.teacher, batch)  # [B, T, V]
-            terms["kl"] = scored_kl_sum(logits, teacher_logits, labels, self.recipe.distill.temperature)
+            terms["kl"] = scored_kl_sum(logits, teacher_logits, labels, self.recipe.distill.temperature, weights)
         return terms
 
     def _objective(self, terms: dict):
