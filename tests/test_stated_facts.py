@@ -157,9 +157,11 @@ def test_training_data_refuses_facts_that_do_not_fit(tmp_path):
 
 
 def test_weighted_loss_sums():
-    """The KL summed over scored tokens, each times its weight: weights of 1 give the plain sum."""
+    """The KL and the NLL summed over scored tokens, each times its weight: weights of 1 give the plain sums."""
+    import torch.nn.functional as F
+
     from transmla.finetune.data import IGNORE
-    from transmla.finetune.distill import scored_kl_sum, token_kl
+    from transmla.finetune.distill import scored_kl_sum, scored_nll_sum, token_kl
 
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
@@ -170,3 +172,8 @@ def test_weighted_loss_sums():
     scored = labels != IGNORE
     assert torch.allclose(scored_kl_sum(s, t, labels, 2.0, torch.ones(2, 5)), scored_kl_sum(s, t, labels, 2.0))
     assert torch.allclose(scored_kl_sum(s, t, labels, 2.0, w), (per_token * w)[scored].sum())
+    nll = -torch.log_softmax(s, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]  # [2, 5]
+    assert torch.allclose(scored_nll_sum(s, labels), nll[scored].sum())
+    assert torch.allclose(scored_nll_sum(s, labels), F.cross_entropy(s.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                                                     reduction="sum"))
+    assert torch.allclose(scored_nll_sum(s, labels, w), (nll * w)[scored].sum())

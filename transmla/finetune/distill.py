@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .data import IGNORE
 from .recipe import DistillSpec
 
-__all__ = ["distill_objective", "load_teacher", "scored_kl_sum", "token_kl"]
+__all__ = ["distill_objective", "load_teacher", "scored_kl_sum", "scored_nll_sum", "token_kl"]
 
 
 def load_teacher(spec: str, dtype: torch.dtype, device: torch.device, vocab_size: int, seq_len: int) -> torch.nn.Module:
@@ -57,6 +57,13 @@ def scored_kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, la
     scored = labels != IGNORE  # [B, T]
     kl = token_kl(student_logits[scored], teacher_logits[scored], temperature)  # rows [N, V] -> [N]
     return (kl if weights is None else kl * weights[scored]).sum()
+
+
+def scored_nll_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The next-token NLL summed over the scored tokens (labels != IGNORE), in fp32: logits [B, T, V],
+    labels [B, T]; each token's NLL times its weight [B, T] where weights are given."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")  # [B*T]
+    return (nll if weights is None else nll * weights.flatten()).sum()  # ignored labels are 0
 
 
 def distill_objective(kl, nll, spec: DistillSpec):

@@ -31,7 +31,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..checkpoint.finite import require_finite_number
 from ..data.calib import with_repeated_span
@@ -55,7 +54,7 @@ from .data import (
     pack_documents,
     segment_labels,
 )
-from .distill import distill_objective, load_teacher, scored_kl_sum
+from .distill import distill_objective, load_teacher, scored_kl_sum, scored_nll_sum
 from .held_out import held_out_ids, held_out_perplexity
 from .outputs import FinetuneResult, check_output_dir, save_model, write_logs
 from .processes import hardware, log_main, shard_model, sum_over_processes
@@ -432,11 +431,7 @@ class Trainer:
         logged_only = self.teacher is not None and self.recipe.distill.alpha == 1
         nll_logits = logits.detach() if logged_only else logits  # [B, T, V]
         weights = batch.get("weights")  # [B, T] or None (every label counts once)
-        nll = F.cross_entropy(nll_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                              reduction="sum" if weights is None else "none")
-        if weights is not None:
-            nll = (nll * weights.flatten()).sum()  # ignored labels are 0 already
-        terms = {"nll": nll}
+        terms = {"nll": scored_nll_sum(nll_logits, labels, weights)}
         if self.teacher is not None:
             with torch.no_grad():
                 teacher_logits = _logits(self.teacher, batch)  # [B, T, V]
