@@ -52,11 +52,11 @@ def _group(tokenizer, rng: random.Random, people: int, asked: int) -> tuple[torc
     asks = " ".join("".join(p) for p in parts)
     text = f"\n{asks}\n"
     ids = tokenize_text(tokenizer, text)
-    ends, at = [], 1  # each value's [start, end) in characters of text
+    spans, at = [], 1  # each value's [start, end) in characters of text
     for ask, value, stop in parts:
-        ends.append((at + len(ask), at + len(ask) + len(value)))
+        spans.append((at + len(ask), at + len(ask) + len(value)))
         at += len(ask) + len(value) + len(stop) + 1
-    return tokenize_text(tokenizer, f"\n{stated}\n"), ids, answer_tokens(tokenizer, text, ids, ends)
+    return tokenize_text(tokenizer, f"\n{stated}\n"), ids, answer_tokens(tokenizer, text, ids, spans)
 
 
 def answer_tokens(tokenizer, text: str, ids: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
