@@ -13,7 +13,8 @@ One optimizer step = grad_accum forward/backward passes of micro_batch_size pack
 every process. The loss is the mean next-token NLL over the step's scored tokens (labels that
 cross a document boundary are dropped, see data.py), or with train.objective distill the mean KL
 from the source model's distribution on the same tokens (distill.py; the teacher is not part of
-a checkpoint). The data order is a function of (seed, step), and a checkpoint holds everything
+a checkpoint); with data.answer_weight each answer token's term counts that many times in the sum (the
+mean still over the scored tokens). The data order is a function of (seed, step), and a checkpoint holds everything
 else, so a resumed run repeats the losses of an uninterrupted one exactly (tested on the CPU).
 With train.fsdp the model is sharded over the processes (FSDP2, processes.shard_model).
 The pieces around the loop: converted_model (the model to train, converted on demand),
