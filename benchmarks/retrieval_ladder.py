@@ -482,6 +482,12 @@ recall nll at most 1.105 with acc not lower than 50%, key NLL at most 0.323 with
 27.44; and a step beyond the unweighted heal (rope-64+fit-cli+distill-facts-attn, 55% / 1.142) only if its dev recall
 nll is at least 0.05 below 1.142 (the unweighted heal of seed 1 is not run, for time). If it passes, data.answer_weight
 20 goes into the recipe and its test tables (recall and cloze, 100 items) run next.
+Measured (2026-12-07, sixth session; AMD EPYC with AVX-512 BF16, no AMX; 36 min, 4.5 GB peak, one core beside the
+tests): keys 0.341 / 26 (its conversion 0.610 / 11), dev32 26.01 (27.26), dev recall 47% / 1.389 (43% / 1.451; wiki-test
+32 in its own log 20.90 -> 19.73): **fails** on dev recall nll (1.105 at most) and is no step beyond the unweighted
+heal (1.142 asked 1.092 or lower). Against its own conversion it moves recall as the unweighted heal moved seed 0's
+(-0.06 nll, +2 items), no more: the answers' weight does not carry the source's confidence into the recall task. The
+recipe stays as it is; as every heal, it mends the keys and perplexity.
 """
 
 from __future__ import annotations
