@@ -101,8 +101,8 @@ SHORTEST_SPAN = 32  # tokens: with_repeated_span's shortest span by default
 
 def longest_repeatable_span(seq_len: int, longest: int = 128) -> int:
     """The longest span with_repeated_span can copy in a sequence of seq_len tokens: a span and its
-    copy after token 0 (the attention sink), so at most (seq_len - 1) // 2; below `shortest` nothing is
-    written."""
+    copy after token 0 (the attention sink), so at most (seq_len - 1) // 2; where that is below its
+    `shortest`, with_repeated_span writes nothing."""
     return min(longest, (seq_len - 1) // 2)
 
 
