@@ -743,10 +743,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
                                                          "steps more (train.seed 1; seconds: the second heal's)"),
     "rope-64+fit-cli+distill-facts-attn-lr2": _healed_50("heal50fa-lr2", "rope-64+fit-cli+distill-facts-attn at twice "
                                                          "the rate (6e-4)"),
-    "rope-32-unitary": ({"kv_budget": None, "kv_lora_rank": 160, "rope_dim": 32, "fit_steps": 0}, {"rotation": "unitary"},
+    "rope-32-unitary": ({**OLD_50, "fit_steps": 0}, {"rotation": "unitary"},
                         "50% as latent 160 + rope 32 (F = 2) with the unitary rotation, without the output fit"),
-    "rope-32-unitary+fit-cli": ({"kv_budget": None, "kv_lora_rank": 160, "rope_dim": 32, "fit_shape": (64, 1024),
-                                 "fit_repeat": 2}, {"rotation": "unitary"},
+    "rope-32-unitary+fit-cli": ({**OLD_50, "fit_shape": (64, 1024), "fit_repeat": 2}, {"rotation": "unitary"},
                                 "rope-32-unitary with the CLI's 50% fit (rope-64+fit-cli's): a quarter more latent"),
     "rope-64+fit-cli-seed1": ({"fit_shape": (64, 1024), "fit_repeat": 2, "seed": 1}, {},
                               "rope-64+fit-cli converted with --seed 1 (other calibration and fit sequences, another "
