@@ -488,6 +488,20 @@ tests): keys 0.341 / 26 (its conversion 0.610 / 11), dev32 26.01 (27.26), dev re
 heal (1.142 asked 1.092 or lower). Against its own conversion it moves recall as the unweighted heal moved seed 0's
 (-0.06 nll, +2 items), no more: the answers' weight does not carry the source's confidence into the recall task. The
 recipe stays as it is; as every heal, it mends the keys and perplexity.
+
+rope-64+fit-cli-cos and rope-64+fit-cli-cos-seed1 (issue 34; written 2026-12-07, seventh session, before measuring
+either). Two equal conversions of the CLI's 50% differ by 0.25 in dev recall nll (rope-64+fit-cli against -seed1),
+and their stages before the fit are the same: the spread is the output fit's, whose Adam ends at its constant rate of
+1e-3 (200 steps), so the layer kept is a noisy last iterate. These two are the CLI's 50% with the rate decaying as a
+cosine to 5% of 1e-3 over the 200 steps (FitSettings.schedule "cosine"; the same start, steps, terms and sequences),
+on seed 0 and seed 1, each paired with the baseline of its own seed (the same statistics and fit sequences: only the
+schedule differs). Rule, on the two seeds' means against the baselines' (recall 46.7% / 1.328, keys 0.466 / 17
+exact, dev32 27.22): it **passes** with mean dev recall nll at most 1.228 (0.10 below) and mean acc at least 46.7%,
+mean key NLL at most 0.468 with mean exact keys at least 17, mean dev32 at most 27.49 (+1%). It also **holds** (no
+worse on average, less variable) with mean dev recall nll at most 1.378, mean key NLL at most 0.516, mean dev32 at
+most 27.49 and the two seeds' dev recall nll less than 0.10 apart (the baselines: 0.246). Either way the cosine
+becomes the CLI's 50% schedule (a user's conversion then is better, or as good and more predictable); otherwise the
+constant rate stays. Side by side, one core each.
 """
 
 from __future__ import annotations
@@ -753,6 +767,12 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-cli-seed1+distill-facts-attn-w20": _healed_50(
         "heal50fa-w20s1", "rope-64+fit-cli-seed1 healed as rope-64+fit-cli+distill-facts-attn with the loss at the "
         "answers' values counting 20 times (data.answer_weight 20); stages: rope-64's (seed 0)", "rope-64+fit-cli-seed1"),
+    "rope-64+fit-cli-cos": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_extra": {"schedule": "cosine"}}, {},
+                            "rope-64+fit-cli with Adam's rate decaying as a cosine from 1e-3 to 5% of it over the 200 "
+                            "steps (the last iterates less noisy)"),
+    "rope-64+fit-cli-cos-seed1": ({"fit_shape": (64, 1024), "fit_repeat": 2, "seed": 1,
+                                   "fit_extra": {"schedule": "cosine"}}, {},
+                                  "rope-64+fit-cli-cos converted with --seed 1 (rope-64+fit-cli-seed1's sequences)"),
     "cli-25+fit-mb1024": ({"kv_budget": 0.25, "fit_shape": (64, 1024), "fit_repeat": 2,
                            "fit_settings": dict(steps=200, lr=1e-3, minibatch_tokens=1024)}, {},
                           "cli-25+fit-repeat2 with one sequence per Adam step instead of two (half the cost per step)"),
