@@ -502,6 +502,19 @@ worse on average, less variable) with mean dev recall nll at most 1.378, mean ke
 most 27.49 and the two seeds' dev recall nll less than 0.10 apart (the baselines: 0.246). Either way the cosine
 becomes the CLI's 50% schedule (a user's conversion then is better, or as good and more predictable); otherwise the
 constant rate stays. Side by side, one core each.
+Measured (2026-12-07/08, seventh session; AMD EPYC with AVX-512 BF16, no AMX; side by side, one core each, 78 min each
+with their evaluations, 3.5 / 3.7 GB peak): rope-64+fit-cli-cos keys 0.353 / 21, dev32 27.26, dev recall 50% / **1.501**
+(its constant-rate twin 0.321 / 23, 27.17, 50% / 1.205); rope-64+fit-cli-cos-seed1 keys 0.429 / 17, dev32 27.45, dev recall
+47% / 1.412 (0.610 / 11, 27.26, 43% / 1.451). Means: dev recall 48.3% / 1.457 against 46.7% / 1.328, keys 0.391 / 19
+against 0.466 / 17, dev32 27.36 against 27.22: it **fails** both parts (mean recall nll above 1.228 and 1.378), though
+the two seeds' keys (0.08 apart against 0.29) and recall nll (0.09 apart against 0.25) are closer: the constant rate
+stays. The fit does not settle lower under the decay: the mean output error after it is 0.052 on both seeds (constant
+0.051 and 0.050); layers 0-14 end 5-10% higher (the decay moves them less), the far-term layers 15-24 as low or lower.
+What it shows most: on seed 0, with the same statistics and fit sequences and only the schedule changed, the dev
+recall nll moved by +0.30 (1.205 -> 1.501) at the same accuracy. Four conversions of the CLI's 50% recipe so far give
+1.205, 1.451, 1.501, 1.412 (mean 1.39, spread about 0.13 as a standard deviation), so one conversion's dev recall nll is
+one draw of that spread and the default's 1.205 was its low end; a single-conversion difference below about 0.3 says
+nothing, and the gap to the source (0.966) is about 0.4 on average.
 """
 
 from __future__ import annotations
