@@ -24,7 +24,7 @@ import subprocess
 import time
 
 from .common import RESULTS, TRANSMLA, ResultCache, log, run_notes
-from .passkey import EARLIER, MODEL, MODELS, converted, cpu_name, runs_by_cpu
+from .passkey import EARLIER, MODEL, MODELS, ROOT, SAVED, converted, cpu_name, runs_by_cpu
 
 STEM = "choice_tasks_smollm2"
 TASKS = {"cloze": ["--context-tokens", "512"], "recall": ["--context-tokens", "1024"]}
@@ -52,7 +52,7 @@ def report(results: dict) -> str:
          (__doc__ or "").split("\n\n")[1].strip(), "",
          "| model | cloze acc | cloze acc_norm | recall acc | recall acc_norm | seconds (cloze / recall) |",
          "|---|---|---|---|---|---|"]
-    for role in [*MODELS, *EARLIER]:  # earlier conversions stay in the table, never run again
+    for role in [*MODELS, *SAVED, *EARLIER]:  # earlier conversions stay in the table, never run again
         c, r = results.get(f"{role}/cloze"), results.get(f"{role}/recall")
         if not (c or r):
             continue
@@ -76,11 +76,19 @@ def main(argv=None) -> int:
     ap.add_argument("--note", help="what the recorded CPU and load do not say (the CPU's kind, threads, what else ran), "
                                    "kept with the runs made now")
     args = ap.parse_args(argv)
+    roles = [r.strip() for r in args.only.split(",")]
+    if unknown := [r for r in roles if r not in MODELS and r not in SAVED]:
+        ap.error(f"unknown role {unknown[0]!r}; choose from {', '.join([*MODELS, *SAVED])}")
     cache = ResultCache(RESULTS / f"{STEM}.json")
     if not args.report:
-        for role in args.only.split(","):
-            shape = MODELS[role]  # None for the source, else (budget, exportable)
-            spec = MODEL if shape is None else str(converted(*shape, cache))
+        for role in roles:
+            if role in SAVED:  # a folder made elsewhere (passkey.SAVED)
+                spec = str(ROOT / SAVED[role][0])
+                if not (ROOT / SAVED[role][0]).is_dir():
+                    raise SystemExit(f"{role}: {SAVED[role][0]} is not there ({SAVED[role][1]})")
+            else:
+                shape = MODELS[role]  # None for the source, else (budget, exportable)
+                spec = MODEL if shape is None else str(converted(*shape, cache))
             for task in TASKS:
                 key = f"{role}/{task}"
                 if key not in cache.results:

@@ -49,12 +49,22 @@ MODELS = {  # role -> (method, kv budget, exportable shape: --shared-rope, else 
     "transmla 25% exportable": ("transmla", 0.25, True),  # the CLI's default 25% since issue 35
     "mha2mla 25%": ("mha2mla", 0.25, None),  # the published method as our CLI makes it (training-free)
 }
-# Healed conversions (role -> the model folder `transmla finetune` wrote, under the repository root): measured
-# when the folder exists, never made here (the recipe says how; minutes to an hour of CPU).
-HEALED = {
+# Conversions made elsewhere (role -> (the model folder, under the repository root; what it is)): measured when the
+# folder exists, never made here (minutes to an hour of CPU each; what it is says how it was made).
+SAVED = {
     # recipes/smollm2_cpu_distill_long.yaml on the saved "transmla 25% exportable, fit without repeats"
     # (model.path instead of model.source + convert: the same conversion, not made twice)
-    "transmla 25% exportable + distill": "out/exp/ft-distill25-long/model",
+    "transmla 25% exportable + distill": (
+        "out/exp/ft-distill25-long/model",
+        "the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
+        "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps of 1024 wiki "
+        "tokens)"),
+    # the spread between two conversions a user could equally get (retrieval_ladder rope-64+fit-cli-seed1): the
+    # table's transmla 50% exportable is seed 0's
+    "transmla 50% exportable on seed 1": (
+        "out/ladder/rope-64+fit-cli-seed1",
+        "the CLI's 50% exportable conversion with `--seed 1` (other calibration and fit sequences, another order of "
+        "the fit's steps), written by `python -m benchmarks.retrieval_ladder --only rope-64+fit-cli-seed1 --save`"),
 }
 # Measured before the output fit moved from 1024 x 64 to 64 x 1024 tokens (issue 34): kept in the table,
 # never run again (today's CLI makes the conversions above instead).
@@ -142,7 +152,7 @@ def run(lengths: list[int], roles: list[str], threads: int) -> dict:
     cache.results["machine"] = machine()
     specs = {role: MODEL if shape is None else str(converted(*shape, cache)) for role, shape in MODELS.items()
              if role in roles}
-    specs |= {role: str(ROOT / folder) for role, folder in HEALED.items() if role in roles and (ROOT / folder).is_dir()}
+    specs |= {role: str(ROOT / folder) for role, (folder, _) in SAVED.items() if role in roles and (ROOT / folder).is_dir()}
     measure_lengths(cache, specs, lengths, threads)
     return cache.results
 
@@ -181,7 +191,7 @@ def _threads(data: dict) -> str:
 def report(data: dict) -> None:
     from transmla.eval.formatting import md_table
 
-    entries = [e for e in (merged(data, role) for role in [*MODELS, *HEALED, *EARLIER]) if e is not None]
+    entries = [e for e in (merged(data, role) for role in [*MODELS, *SAVED, *EARLIER]) if e is not None]
     png = plot_passkey(entries, RESULTS / f"{STEM}.png")
     header, rows = passkey_rows(entries)
     skipped = {e["role"]: [n for n in (1024, 2048, 4096, 8192) if n <= CONTEXT and n not in {c["length"] for c in e["cells"]}]
@@ -211,9 +221,7 @@ def report(data: dict) -> None:
         f"{EARLIER[8]}: the 50% command while its far term had weight 1 (its first weight; 2 since the ladder's rope-64+fit-repeat2-far256-mid-w2); "
         f"{EARLIER[9]}: the 25% command while its fit's Adam had one constant rate for every tensor (relative rates, "
         "a cosine decay and 256 sampled queries since the ladder's cli-25+fit-rel200-q256, 2026-11-27)"
-        + "".join(f"; {role}: the saved transmla 25% exportable, fit without repeats, healed by `transmla finetune "
-                  "recipes/smollm2_cpu_distill_long.yaml` (its MLA projections distilled from the source, 120 steps "
-                  "of 1024 wiki tokens)" for role in HEALED if merged(data, role) is not None) + ".",
+        + "".join(f"; {role}: {what}" for role, (_, what) in SAVED.items() if merged(data, role) is not None) + ".",
         "",
         "found / keys per cell; s: wall seconds of the cell's 3 prompts (prefill + 8 greedy tokens each), "
         f"{_threads(data)}.",
@@ -258,8 +266,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only rewrite the Markdown and the plot")
     args = parser.parse_args()
     roles = [r.strip() for r in args.only.split(",")]
-    if unknown := [r for r in roles if r not in MODELS and r not in HEALED]:
-        parser.error(f"unknown role {unknown[0]!r}; choose from {', '.join([*MODELS, *HEALED])}")
+    if unknown := [r for r in roles if r not in MODELS and r not in SAVED]:
+        parser.error(f"unknown role {unknown[0]!r}; choose from {', '.join([*MODELS, *SAVED])}")
     data = ResultCache(JSON_PATH).results if args.report else run(parse_lengths(args.lengths), roles, args.threads)
     report(data)
 
