@@ -59,6 +59,9 @@ def report(results: dict) -> str:
         f = lambda e, k: f"{e[k]:.0%}" if e else "-"  # noqa: E731
         s = lambda e: f"{e['seconds']:.0f}" if e else "-"  # noqa: E731
         L.append(f"| {role} | {f(c, 'acc')} | {f(c, 'acc_norm')} | {f(r, 'acc')} | {f(r, 'acc_norm')} | {s(c)} / {s(r)} |")
+    saved = [f"{role}: {what}" for role, (_, what) in SAVED.items() if f"{role}/cloze" in results or f"{role}/recall" in results]
+    if saved:
+        L += ["", "Conversions made elsewhere (benchmarks/passkey.py SAVED): " + "; ".join(saved) + "."]
     run_rows = {k: v for k, v in results.items() if k.endswith(("/cloze", "/recall"))}
     runs = list(run_rows.values())
     if runs:
