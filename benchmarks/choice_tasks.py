@@ -24,7 +24,7 @@ import subprocess
 import time
 
 from .common import RESULTS, TRANSMLA, ResultCache, log, run_notes
-from .passkey import EARLIER, MODEL, MODELS, ROOT, SAVED, converted, cpu_name, runs_by_cpu
+from .passkey import EARLIER, MODEL, MODELS, SAVED, converted, cpu_name, runs_by_cpu, saved_folder
 
 STEM = "choice_tasks_smollm2"
 TASKS = {"cloze": ["--context-tokens", "512"], "recall": ["--context-tokens", "1024"]}
@@ -82,13 +82,15 @@ def main(argv=None) -> int:
     roles = [r.strip() for r in args.only.split(",")]
     if unknown := [r for r in roles if r not in MODELS and r not in SAVED]:
         ap.error(f"unknown role {unknown[0]!r}; choose from {', '.join([*MODELS, *SAVED])}")
+    if not args.report:
+        for role in roles:  # before anything runs
+            if role in SAVED:
+                saved_folder(role)
     cache = ResultCache(RESULTS / f"{STEM}.json")
     if not args.report:
         for role in roles:
-            if role in SAVED:  # a folder made elsewhere (passkey.SAVED)
-                spec = str(ROOT / SAVED[role][0])
-                if not (ROOT / SAVED[role][0]).is_dir():
-                    raise SystemExit(f"{role}: {SAVED[role][0]} is not there ({SAVED[role][1]})")
+            if role in SAVED:  # a folder made elsewhere
+                spec = str(saved_folder(role))
             else:
                 shape = MODELS[role]  # None for the source, else (budget, exportable)
                 spec = MODEL if shape is None else str(converted(*shape, cache))
