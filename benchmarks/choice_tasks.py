@@ -82,15 +82,12 @@ def main(argv=None) -> int:
     roles = [r.strip() for r in args.only.split(",")]
     if unknown := [r for r in roles if r not in MODELS and r not in SAVED]:
         ap.error(f"unknown role {unknown[0]!r}; choose from {', '.join([*MODELS, *SAVED])}")
-    if not args.report:
-        for role in roles:  # before anything runs
-            if role in SAVED:
-                saved_folder(role)
     cache = ResultCache(RESULTS / f"{STEM}.json")
     if not args.report:
+        saved = {role: str(saved_folder(role)) for role in roles if role in SAVED}  # before anything runs
         for role in roles:
-            if role in SAVED:  # a folder made elsewhere
-                spec = str(saved_folder(role))
+            if role in saved:  # a folder made elsewhere
+                spec = saved[role]
             else:
                 shape = MODELS[role]  # None for the source, else (budget, exportable)
                 spec = MODEL if shape is None else str(converted(*shape, cache))
