@@ -866,7 +866,7 @@ def measure(name: str, cache: ResultCache, save: bool = False) -> None:
     first = "_source" not in cache.results
     # (a variant on another seed has statistics of its own: its stages are measured, not its twin's)
     twin = cache.results.get(name.split("+")[0]) if stream.fit and "seed" not in options_kw else None
-    if twin is not None and twin["plan"] == stream.plan.to_dict() and not first:
+    if twin is not None and same_plan(twin["plan"], stream.plan) and not first:
         # The stages before the fit are its fit-free twin's (the same plan and statistics): measured there.
         stage_ppl = dict(twin["stage_ppl8"])
         probes |= {k: twin["probes"][k] for k in ("rorope", "bkv_pca")}
@@ -888,6 +888,16 @@ def measure(name: str, cache: ResultCache, save: bool = False) -> None:
                                load=os.getloadavg()[0], date=time.strftime("%Y-%m-%d %H:%M"))
     source_recall(b, cache)
     cache.save()
+
+
+def same_plan(recorded: dict, plan) -> bool:
+    """An earlier variant's recorded plan (to_dict) is `plan`: every field equal, a field the record lacks (added to the
+    plans since it ran) at its default."""
+    from dataclasses import MISSING, fields
+
+    defaults = {f.name: f.default for f in fields(plan)}
+    return set(recorded) <= set(plan.to_dict()) and all(
+        recorded[k] == v if k in recorded else defaults.get(k, MISSING) == v for k, v in plan.to_dict().items())
 
 
 def measure_saved(name: str, cache: ResultCache) -> None:

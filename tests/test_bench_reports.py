@@ -62,3 +62,20 @@ def test_eval_memory_reads_the_eval_json_before_the_time_report():
     doc = {"model": "out/m", "perplexity": 27.5, "source": {"model": "smollm2-135m", "perplexity": 18.0}}
     text = json.dumps(doc, indent=2) + "\n\tCommand being timed: \"transmla eval ...\"\n\tMaximum resident set size (kbytes): 1633148\n"
     assert eval_json("perplexity 8/8 (done)\n" + text) == doc
+
+
+def test_ladder_twin_plans_match_across_fields_added_since():
+    """A variant reuses its fit-free twin's stages when the twin's recorded plan is its plan: a field the record lacks
+    (added to the plans after the twin ran) counts as its default, any other difference as another plan."""
+    from dataclasses import replace
+
+    from benchmarks.retrieval_ladder import same_plan
+    from transmla.convert.transmla.method import TransMLAPlan
+
+    plan = TransMLAPlan(kv_lora_rank=128, rope_dim=64)
+    recorded = plan.to_dict()
+    before_rotation = {k: v for k, v in recorded.items() if k != "rotation"}
+    assert same_plan(recorded, plan) and same_plan(before_rotation, plan)
+    assert not same_plan(before_rotation, replace(plan, rotation="unitary"))
+    assert not same_plan(recorded, replace(plan, kv_lora_rank=96))
+    assert not same_plan({**recorded, "retired": 1}, plan)
