@@ -896,8 +896,9 @@ def same_plan(recorded: dict, plan) -> bool:
     from dataclasses import MISSING, fields
 
     defaults = {f.name: f.default for f in fields(plan)}
-    return set(recorded) <= set(plan.to_dict()) and all(
-        recorded[k] == v if k in recorded else defaults.get(k, MISSING) == v for k, v in plan.to_dict().items())
+    current = plan.to_dict()
+    return set(recorded) <= set(current) and all(
+        recorded[k] == v if k in recorded else defaults.get(k, MISSING) == v for k, v in current.items())
 
 
 def measure_saved(name: str, cache: ResultCache) -> None:
