@@ -65,6 +65,14 @@ SAVED = {
         "out/ladder/rope-64+fit-cli-seed1",
         "the CLI's 50% exportable conversion with `--seed 1` (other calibration and fit sequences, another order of "
         "the fit's steps), written by `python -m benchmarks.retrieval_ladder --only rope-64+fit-cli-seed1 --save`"),
+    # healing on stated facts with o_proj, 240 steps (retrieval_ladder rope-64+fit-cli(-seed1)+distill-facts-attn-240)
+    "transmla 50% exportable + facts heal": (
+        "out/exp/ft-heal50fa2/model",
+        "the table's transmla 50% exportable healed by `transmla finetune recipes/smollm2_cpu_heal_facts.yaml --set "
+        "train.trainable=attention` (120 steps), then again from that with `--set train.seed=1` (240 steps in all)"),
+    "transmla 50% exportable on seed 1 + facts heal": (
+        "out/exp/ft-heal50fa2-s1/model",
+        "transmla 50% exportable on seed 1 healed as transmla 50% exportable + facts heal (240 steps in all)"),
 }
 
 
