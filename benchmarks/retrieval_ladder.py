@@ -532,6 +532,10 @@ that wins). Then, whatever the rule says, the test tables (benchmarks.choice_tas
 benchmarks.passkey 1K-8K, seed 0) run for the 240-step heal of seed 1, the only healed 50% on this machine, beside
 its unhealed conversion's (recall 43%, cloze 63%, passkeys 10 of 36): they report what healing gives on held-out
 items and choose nothing. One core, one after another (the other core free for other work).
+rope-64+fit-cli-again: seed 0's folder is gone; the CLI makes it again (out/passkey/transmla-50-shared, the passkey
+table's own folder) and the same heals run from it, for the test tables of both seeds. A check, not a candidate: if
+its dev keys, dev32 and dev recall equal rope-64+fit-cli's (within 0.005 nll, 0.05 perplexity, the same counts), a
+conversion is repeatable on this CPU and the heals made from it stand for seed 0's measured ones.
 """
 
 from __future__ import annotations
@@ -803,6 +807,10 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "rope-64+fit-cli-seed1+distill-facts-attn-240": _healed_50(
         "heal50fa2-s1", "rope-64+fit-cli-seed1+distill-facts-attn healed 120 steps more (train.seed 1; seconds: the "
         "second heal's); stages: rope-64's (seed 0)", "rope-64+fit-cli-seed1"),
+    "rope-64+fit-cli-again": ({**ROPE_64, "saved": "out/passkey/transmla-50-shared", "timing": "convert/0.5-shared"}, {},
+                              "rope-64+fit-cli made again by the CLI (`transmla convert smollm2-135m OUT --kv-budget 0.5 "
+                              "--shared-rope`, seed 0) and read from its folder: is a conversion repeatable? (seconds: "
+                              "the passkey table's)"),
     "rope-64+fit-cli-cos": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_extra": {"schedule": "cosine"}}, {},
                             "rope-64+fit-cli with Adam's rate decaying as a cosine from 1e-3 to 5% of it over the 200 "
                             "steps (the last iterates less noisy)"),
