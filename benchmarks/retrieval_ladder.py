@@ -532,6 +532,15 @@ that wins). Then, whatever the rule says, the test tables (benchmarks.choice_tas
 benchmarks.passkey 1K-8K, seed 0) run for the 240-step heal of seed 1, the only healed 50% on this machine, beside
 its unhealed conversion's (recall 43%, cloze 63%, passkeys 10 of 36): they report what healing gives on held-out
 items and choose nothing. One core, one after another (the other core free for other work).
+Measured (2026-12-08, eighth session; AMD EPYC with AVX-512 BF16, no AMX; each heal 32 min on one core beside a
+conversion or heal on the other, 4.5 GB peak): rope-64+fit-cli-seed1+distill-facts-attn keys 0.385 / 22, dev32 26.07,
+dev recall 47% / 1.381 (its conversion 0.610 / 11, 27.26, 43% / 1.451); -240 keys 0.352 / 25, dev32 26.08, dev recall
+45% / 1.342 (wiki-test 32 in its own log 20.90 -> 19.61 -> 19.76). Means with seed 0's: 120 steps 51.0% / **1.262**,
+keys 0.329 / 24.5, dev32 25.96; 240 steps 51.7% / **1.256**, keys 0.310 / 26.5, dev32 25.95. **Both fail** on the mean
+dev recall nll (1.228 at most); every other bar passes (acc +4-5 points, keys at the source's exact count or above,
+dev32 -4.6%). The recipe stays as it is. On seed 1 the heal moves recall by 2-4 points and 0.07-0.11 nll, about half
+of what it did on seed 0 (+5-8 points), and the second 120 steps add nothing on either seed: healing on stated facts
+mends the keys and perplexity reliably and recall a little, not to the source's 58% / 0.966.
 rope-64+fit-cli-again: seed 0's folder is gone; the CLI makes it again (out/passkey/transmla-50-shared, the passkey
 table's own folder) and the same heals run from it, for the test tables of both seeds. A check, not a candidate: if
 its dev keys, dev32 and dev recall equal rope-64+fit-cli's (within 0.005 nll, 0.05 perplexity, the same counts), a
