@@ -561,7 +561,7 @@ from pathlib import Path
 
 from transmla.convert.output_fit import RELATIVE_FIT
 
-from .common import ResultCache, log
+from .common import ResultCache, log, measured
 
 OUT = Path(__file__).resolve().parent / "results"
 STEM = "retrieval_ladder"
@@ -965,15 +965,11 @@ def measure_saved(name: str, cache: ResultCache) -> None:
     if "converted_by" in options_kw:  # a ladder variant's saved conversion: its measured seconds
         seconds = cache.results[options_kw["converted_by"]]["convert_seconds"]
     elif options_kw["timing"].endswith(".log"):  # the conversion's own /usr/bin/time -v log
-        from .common import measured
-
         seconds = measured(ROOT / options_kw["timing"])["wall_s"]
     else:  # a conversion of benchmarks/passkey: its timing there
         timing = json.loads((ROOT / "benchmarks" / "results" / "passkey_smollm2.json").read_text())
         seconds = timing.get("results", timing).get(options_kw["timing"], {}).get("wall_s", float("nan"))
     if "trained_by" in options_kw:  # + the training run's wall time: its /usr/bin/time -v log, else its metrics
-        from .common import measured
-
         log_text = (ROOT / options_kw["trained_by"]).read_text()
         seconds += (measured(ROOT / options_kw["trained_by"])["wall_s"] if "Elapsed (wall clock)" in log_text
                     else json.loads((folder.parent / "metrics.json").read_text())["summary"]["wall_seconds"])
