@@ -820,7 +820,7 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
         "heal50fa2-s1", "rope-64+fit-cli-seed1+distill-facts-attn healed 120 steps more (train.seed 1; seconds: the "
         "second heal's); stages: rope-64's (seed 0)", "rope-64+fit-cli-seed1"),
     "rope-64+fit-cli-again": ({**ROPE_64, "saved": "out/passkey/transmla-50-shared",
-                               "timing": "out/passkey/transmla-50-shared.log"}, {},
+                               "timed_by": "out/passkey/transmla-50-shared.log"}, {},
                               "rope-64+fit-cli made again by the CLI (`transmla convert smollm2-135m OUT --kv-budget 0.5 "
                               "--shared-rope`, seed 0) and read from its folder: is a conversion repeatable?"),
     "rope-64+fit-cli-cos": ({"fit_shape": (64, 1024), "fit_repeat": 2, "fit_extra": {"schedule": "cosine"}}, {},
@@ -964,8 +964,8 @@ def measure_saved(name: str, cache: ResultCache) -> None:
     folder = ROOT / options_kw["saved"]
     if "converted_by" in options_kw:  # a ladder variant's saved conversion: its measured seconds
         seconds = cache.results[options_kw["converted_by"]]["convert_seconds"]
-    elif options_kw["timing"].endswith(".log"):  # the conversion's own /usr/bin/time -v log
-        seconds = measured(ROOT / options_kw["timing"])["wall_s"]
+    elif "timed_by" in options_kw:  # the conversion's own /usr/bin/time -v log
+        seconds = measured(ROOT / options_kw["timed_by"])["wall_s"]
     else:  # a conversion of benchmarks/passkey: its timing there
         timing = json.loads((ROOT / "benchmarks" / "results" / "passkey_smollm2.json").read_text())
         seconds = timing.get("results", timing).get(options_kw["timing"], {}).get("wall_s", float("nan"))
